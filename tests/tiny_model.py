@@ -1,0 +1,83 @@
+"""Build a small random Qwen2 model in mlx-lm layout, offline, for tests and benchmark smoke runs."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen2
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Paged attention stores keys and values in fixed-size blocks of sixteen tokens.",
+    "def reverse(s):\n    return s[::-1]\n",
+    "Prefix caching reuses the KV cache of a shared prompt prefix across requests.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ !?.,;:'\"()[]{}<>/\\-_=+*&^%$#@~`|",
+]
+
+
+def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def make_tiny_model(path: str | Path, *, seed: int = 0, num_layers: int = 2, tie_embeddings: bool = False) -> Path:
+    """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    vocab_size = 512  # >= tokenizer vocabulary, like real models' padded vocabularies
+    config = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_embeddings,
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 2048,
+            },
+            indent=2,
+        )
+    )
+    mx.random.seed(seed)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    # Wider random weights than the default init, so greedy outputs vary from token to token.
+    params = {k: v * 4.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    return path
