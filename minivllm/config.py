@@ -1,0 +1,47 @@
+"""Engine settings, validated once."""
+
+from dataclasses import dataclass
+
+EVICTION_POLICIES = ("s3fifo", "lru", "fifo")
+PUBLICATION_MODES = ("incremental", "completion")
+SINGLE_FLIGHT_MODES = ("off", "at_completion", "after_prefill")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # model dir, Hugging Face repo id, .gguf file; None = the offline default model
+    page_size: int = 16
+    kv_cache_bytes: int | None = None  # None: kv_cache_fraction of physical memory, at most 2 GiB
+    kv_cache_fraction: float = 0.1
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # prefill chunk budget per step (decode tokens included)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_waiting: int = 256  # waiting-queue bound; past it new requests are refused (HTTP 429)
+    enable_prefix_caching: bool = True
+    eviction: str = "s3fifo"
+    publication: str = "incremental"
+    single_flight: str = "after_prefill"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.page_size >= 1, "page_size must be >= 1")
+        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0")
+        _check(0 < self.kv_cache_fraction <= 0.9, "kv_cache_fraction must be in (0, 0.9]")
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens must be >= max_num_seqs")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _check(self.max_waiting >= 1, "max_waiting must be >= 1")
+        _check(self.eviction in EVICTION_POLICIES, f"eviction must be one of {EVICTION_POLICIES}")
+        _check(self.publication in PUBLICATION_MODES, f"publication must be one of {PUBLICATION_MODES}")
+        _check(self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}")
+        _check(
+            self.enable_prefix_caching or self.single_flight == "off",
+            "single_flight needs the prefix cache (followers restore the leader's pages); set it to 'off'",
+        )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,197 @@
+"""The synchronous engine: requests in, one step at a time, outputs out.
+
+LLMEngine owns the model runner, the page pool and the scheduler. Everything that touches them runs on
+one thread (the caller's, or the async engine's stepping thread).
+"""
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from minivllm.backend import detect_backend
+from minivllm.config import EngineConfig
+from minivllm.eviction import make_policy
+from minivllm.loader import activation_dtype, load_model
+from minivllm.model_runner import KVGeometry, ModelRunner
+from minivllm.page_pool import PagePool
+from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler import Scheduler
+from minivllm.sequence import Sequence, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at max_waiting; retry later."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request: the new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    flight_role: str | None = None
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.backend = detect_backend()
+        self.model, self.tokenizer, self.model_config = load_model(config.model, self.backend)
+        model_len = self.model_config.get("max_position_embeddings", 32768)
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.vocab_size = self.model_config["vocab_size"]
+        geometry = KVGeometry.of(self.model, activation_dtype(self.model))
+        num_pages = self._num_pages(geometry)
+        self.pool = PagePool(num_pages, config.page_size, make_policy(config.eviction, num_pages))
+        self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(config, self.pool, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Sequence] = {}
+        self.num_steps = 0
+        logger.info(
+            "KV pool: %d pages of %d tokens (%.1f MiB, %s); prefix cache %s, eviction %s, publication %s, single flight %s",
+            num_pages, config.page_size, num_pages * config.page_size * geometry.bytes_per_token / 2**20,
+            geometry.dtype, config.enable_prefix_caching, config.eviction, config.publication, config.single_flight,
+        )
+
+    def _num_pages(self, geometry: KVGeometry) -> int:
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            budget = min(int(total * self.config.kv_cache_fraction), 2 << 30)
+        num_pages = budget // (geometry.bytes_per_token * self.config.page_size)
+        if num_pages < 2:
+            raise ValueError(f"kv_cache_bytes={budget} holds fewer than 2 pages of {self.config.page_size} tokens")
+        return num_pages
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(request_id, token_ids, params, seed=seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
+                "(including at least one generated token)"
+            )
+        pages = -(-(len(token_ids) + 1) // self.config.page_size)
+        if pages > self.pool.num_pages:
+            raise ValueError(f"prompt needs {pages} KV pages; the pool has {self.pool.num_pages}")
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        seqs, num_tokens = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        if seqs:
+            try:
+                step_outputs = self.runner.step(seqs, num_tokens)
+            except Exception as e:  # a failed step fails its requests, never the engine
+                logger.exception("step failed; failing %d requests", len(seqs))
+                for seq in seqs:
+                    self.scheduler.finish(seq, "error")
+                    outputs[seq.request_id] = self._output(seq, [], error=f"{type(e).__name__}: {e}")
+                step_outputs = None
+            if step_outputs is not None:
+                self.num_steps += 1
+                self.scheduler.postprocess(seqs, num_tokens, step_outputs)
+                now = time.monotonic()
+                for seq, out in zip(seqs, step_outputs):
+                    if out.token is not None:
+                        seq.first_token_time = seq.first_token_time or now
+                        outputs[seq.request_id] = self._output(seq, [out.token], [out.logprob] if out.logprob else [])
+        for seq in self.scheduler.finished:
+            self.requests.pop(seq.request_id, None)
+            if seq.request_id not in outputs:
+                outputs[seq.request_id] = self._output(seq, [])
+        self.scheduler.finished.clear()
+        return list(outputs.values())
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs=(), error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=list(logprobs),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            flight_role=seq.flight_role,
+            error=error,
+        )
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        in_use = sum(self.pool.refcount)
+        held = sum(len(s.page_table) for s in self.scheduler.running)
+        assert in_use == held, f"pages referenced {in_use} != pages held by running requests {held}"
+
+    def stats(self) -> dict:
+        c, p = self.scheduler.counters, self.pool.counters
+        stats = {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "pages_cached": self.pool.num_cached,
+            "pages_in_use": self.pool.num_in_use,
+            "prefix_lookups": c.lookups,
+            "prefix_query_tokens": c.query_tokens,
+            "prefix_hit_tokens": c.hit_tokens,
+            "computed_prompt_tokens": c.computed_prompt_tokens,
+            "preemptions": c.preemptions,
+            "pages_published": p.pages_published,
+            "pages_evicted": p.pages_evicted,
+            "pages_restored": p.pages_restored,
+            "steps": self.num_steps,
+        }
+        if self.scheduler.flights:
+            f = self.scheduler.flights.counters
+            stats |= {
+                "flights_opened": f.flights_opened,
+                "followers_coalesced": f.followers_coalesced,
+                "leader_handovers": f.leader_handovers,
+                "follower_wait_seconds": f.follower_wait_seconds,
+            }
+        return stats
+
+
+def peak_memory_bytes() -> int:
+    return mx.get_peak_memory()

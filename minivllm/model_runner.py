@@ -1,0 +1,113 @@
+"""Runs one engine step: builds the flat ragged batch, runs the model, samples, evaluates once."""
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kernels.paged_attention import build_layout
+from minivllm.models.qwen2 import KVPools, forward
+from minivllm.sampler import sample
+from minivllm.sequence import Sequence, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+    @classmethod
+    def of(cls, model: nn.Module, dtype: mx.Dtype) -> "KVGeometry":
+        attn = model.model.layers[0].self_attn
+        head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // attn.n_heads
+        return cls(len(model.model.layers), attn.n_kv_heads, head_dim, dtype)
+
+
+@dataclass
+class StepOutput:
+    token: int | None  # None while the sequence is still in a prefill chunk
+    logprob: TokenLogprob | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, geometry: KVGeometry, num_pages: int, page_size: int):
+        self.model = model
+        self.page_size = page_size
+        slots = num_pages * page_size
+        shape = (slots, geometry.num_kv_heads, geometry.head_dim)
+        self.kv = KVPools(
+            keys=[mx.zeros(shape, dtype=geometry.dtype) for _ in range(geometry.num_layers)],
+            values=[mx.zeros(shape, dtype=geometry.dtype) for _ in range(geometry.num_layers)],
+        )
+        mx.eval(self.kv.keys, self.kv.values)
+
+    def step(self, seqs: list[Sequence], num_tokens: list[int]) -> list[StepOutput]:
+        input_ids, positions = [], []
+        for seq, n in zip(seqs, num_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+        layout = build_layout(
+            [s.page_table for s in seqs], [s.num_computed_tokens for s in seqs], num_tokens, self.page_size
+        )
+        # only sequences whose chunk reaches their last token produce a new token this step
+        sampling = [i for i, (s, n) in enumerate(zip(seqs, num_tokens)) if s.num_computed_tokens + n == len(s.token_ids)]
+        ends = np.cumsum(num_tokens) - 1
+        outputs = [StepOutput(None) for _ in seqs]
+        if not sampling:
+            logits_index = mx.array([0], dtype=mx.int32)  # the graph still has to write the KV
+        else:
+            logits_index = mx.array(ends[sampling].astype(np.int32))
+        logits = forward(self.model, mx.array(input_ids), mx.array(positions, dtype=mx.int32), self.kv, layout, logits_index)
+        if not sampling:
+            mx.eval(self.kv.keys, self.kv.values)
+            return outputs
+        chosen = [seqs[i] for i in sampling]
+        tokens, logprobs = sample(
+            logits,
+            [s.params for s in chosen],
+            [s.seed for s in chosen],
+            [len(s.token_ids) for s in chosen],
+        )
+        want_logprobs = [s.params.logprobs is not None for s in chosen]
+        extra = self._logprob_graph(tokens, logprobs, chosen) if any(want_logprobs) else ()
+        mx.eval(tokens, *extra, self.kv.keys, self.kv.values)  # the step's one evaluation
+        token_list = tokens.tolist()
+        details = self._logprob_values(extra, token_list, chosen) if extra else [None] * len(chosen)
+        for row, i in enumerate(sampling):
+            outputs[i] = StepOutput(token_list[row], details[row])
+        return outputs
+
+    @staticmethod
+    def _logprob_graph(tokens: mx.array, logprobs: mx.array, chosen: list[Sequence]):
+        k = max(s.params.logprobs or 0 for s in chosen)
+        picked = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        if k == 0:
+            return (picked,)
+        top_ids = mx.argsort(-logprobs, axis=-1)[:, :k]
+        return picked, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1)
+
+    @staticmethod
+    def _logprob_values(extra, tokens: list[int], chosen: list[Sequence]) -> list[TokenLogprob | None]:
+        picked = extra[0].tolist()
+        top_ids = extra[1].tolist() if len(extra) > 1 else None
+        top_lps = extra[2].tolist() if len(extra) > 1 else None
+        out: list[TokenLogprob | None] = []
+        for row, seq in enumerate(chosen):
+            k = seq.params.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k else []
+            out.append(TokenLogprob(tokens[row], picked[row], top))
+        return out

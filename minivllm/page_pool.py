@@ -1,0 +1,155 @@
+"""The KV page pool's bookkeeping: free / in-use / cached pages, refcounts, and the chained-hash index.
+
+Every page is in exactly one state:
+  free    refcount 0, no hash, on the free list;
+  in use  refcount > 0 (it may also be published, i.e. shared through the index);
+  cached  refcount 0, published: reusable by a later request with the same prefix, evictable.
+The eviction policy (minivllm.eviction, the same classes the trace replay uses) tracks published pages
+by hash and decides which cached page to give up.
+"""
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from minivllm.eviction import EvictionPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+@dataclass
+class PoolCounters:
+    pages_published: int = 0
+    pages_evicted: int = 0  # cached pages the policy or the allocator gave up
+    pages_restored: int = 0  # page hits handed to requests
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, policy: EvictionPolicy):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.policy = policy
+        self.refcount = [0] * num_pages
+        self.page_hash: list[bytes | None] = [None] * num_pages
+        self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
+        self.free: deque[int] = deque(range(num_pages))
+        self.index: dict[bytes, int] = {}  # published hash -> page
+        self.children: dict[bytes, set[bytes]] = {}  # published hash -> published hashes of the next pages
+        self.counters = PoolCounters()
+
+    # -- counts -------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(1 for p in self.index.values() if self.refcount[p] == 0)
+
+    @property
+    def num_in_use(self) -> int:
+        return sum(1 for c in self.refcount if c > 0)
+
+    def num_available(self) -> int:
+        """Pages an allocation can get now: free ones plus cached ones it may evict."""
+        return self.num_free + self.num_cached
+
+    # -- lookup and sharing ---------------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes], token_ids: list[int], max_pages: int) -> list[int]:
+        """Pages of the longest published prefix, from page 0, stopping at the first miss.
+
+        A hit needs an equal chained hash *and* equal token ids, so a hash collision can never serve
+        another prompt's KV.
+        """
+        pages: list[int] = []
+        for i, h in enumerate(hashes[:max_pages]):
+            page = self.index.get(h)
+            tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            if page is None or self.page_tokens[page] != tokens:
+                break
+            pages.append(page)
+        return pages
+
+    def acquire(self, pages: list[int]) -> None:
+        """Share published pages with a request (a hit: the policy counts an access)."""
+        for page in pages:
+            self.refcount[page] += 1
+            self._uncache(self.policy.access(self.page_hash[page]))
+        self.counters.pages_restored += len(pages)
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            assert self.refcount[page] > 0, f"page {page} released more often than acquired"
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0 and self.page_hash[page] is None:
+                self.free.append(page)
+
+    # -- allocation -----------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_available():
+            raise OutOfPages(f"need {n} pages, {self.num_available()} available")
+        while len(self.free) < n:
+            victim = self.policy.evict(lambda h: self.refcount[self.index[h]] == 0)
+            assert victim is not None, "policy found no unreferenced cached page"
+            self._drop(victim)
+        pages = [self.free.popleft() for _ in range(n)]
+        for page in pages:
+            self.refcount[page] = 1
+        return pages
+
+    # -- publication ----------------------------------------------------------------------------------
+    def publish(self, page: int, h: bytes, parent: bytes | None, tokens: list[int]) -> bool:
+        """Make a fully written page reusable under its chained hash. False if not published.
+
+        A page whose hash is already published stays private (its twin serves lookups), and so does
+        one whose parent is no longer published: no lookup could ever reach it.
+        """
+        if h in self.index or (parent is not None and parent not in self.index):
+            return False
+        assert self.refcount[page] > 0 and self.page_hash[page] is None
+        self.page_hash[page] = h
+        self.page_tokens[page] = tuple(tokens)
+        self.index[h] = page
+        if parent is not None:
+            self.children.setdefault(parent, set()).add(h)
+        self.counters.pages_published += 1
+        self._uncache(self.policy.access(h))
+        return True
+
+    # -- eviction -------------------------------------------------------------------------------------
+    def _uncache(self, evicted: list) -> None:
+        """Pages the policy just evicted stop being published; the unused ones are free at once."""
+        for h in evicted:
+            if h in self.index:
+                self._drop(h)
+
+    def _drop(self, h: bytes) -> None:
+        """Unpublish h and, recursively, its descendants: with the parent gone they are unreachable,
+        so they are freed before any reachable page is."""
+        page = self.index.pop(h)
+        self.counters.pages_evicted += 1
+        self.page_hash[page] = None
+        self.page_tokens[page] = None
+        if self.refcount[page] == 0:
+            self.free.append(page)
+        for child in self.children.pop(h, ()):
+            if child in self.index:
+                self.policy.remove(child)
+                self._drop(child)
+
+    # -- invariants -----------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        free = set(self.free)
+        assert len(free) == len(self.free), "a page is on the free list twice"
+        for page in range(self.num_pages):
+            states = (page in free) + (self.refcount[page] > 0) + (
+                self.refcount[page] == 0 and self.page_hash[page] is not None
+            )
+            assert states == 1, f"page {page} is in {states} states"
+        assert self.num_free + self.num_in_use + self.num_cached == self.num_pages
+        for h, page in self.index.items():
+            assert self.page_hash[page] == h and h in self.policy, "index and policy disagree"

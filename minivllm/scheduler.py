@@ -1,0 +1,189 @@
+"""Decides what each step computes: continuous batching, chunked prefill, prefix reuse, preemption.
+
+Waiting requests are admitted first come, first served when the pool can hold their prompt; running
+requests get one decode token or their next prefill chunk under the step's token budget. When pages
+run out mid-decode the newest running request is preempted (its pages released, requeued at the front
+to be recomputed). After each evaluated step, completed pages are published to the prefix cache.
+"""
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from minivllm.config import EngineConfig
+from minivllm.page_pool import PagePool
+from minivllm.sequence import Sequence, SequenceStatus
+from minivllm.single_flight import FlightCoordinator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheCounters:
+    lookups: int = 0
+    query_tokens: int = 0  # prompt tokens looked up (token-weighted, as vLLM counts)
+    hit_tokens: int = 0  # prompt tokens restored
+    computed_prompt_tokens: int = 0  # prompt tokens run through the model
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: PagePool, eos_token_ids: set[int], max_model_len: int):
+        self.config = config
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
+        self.counters = CacheCounters()
+        self.finished: list[Sequence] = []  # ended since the engine last collected them
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        if self.flights:
+            self.flights.join(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], list[int]]:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_tokens: list[int] = []
+        preempted = False
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + n):
+                preempted = True
+                continue
+            seqs.append(seq)
+            num_tokens.append(n)
+            budget -= n
+        if not preempted:  # a pool short of pages for running requests admits nobody new
+            for seq in list(self.waiting):
+                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if self.flights and self.flights.is_waiting(seq):
+                    continue
+                if not self._admit(seq):
+                    break
+                n = min(seq.num_uncomputed_tokens, budget)
+                seqs.append(seq)
+                num_tokens.append(n)
+                budget -= n
+        return seqs, num_tokens
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
+        need = -(-num_tokens // self.page_size) - len(seq.page_table)
+        while need > self.pool.num_available():
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                logger.warning("request %s alone outgrows the KV pool; stopping it", seq.request_id)
+                self.finish(seq, "length")
+                return False
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.page_table.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Restore the longest cached prefix, allocate pages for the rest of the prompt, start running."""
+        n = len(seq.token_ids)
+        hits: list[int] = []
+        if self.config.enable_prefix_caching:
+            hashes = seq.full_page_hashes(self.page_size)
+            # the last prompt token is always computed, for its logits: restore at most floor((N-1)/P) pages
+            hits = self.pool.lookup(hashes, seq.token_ids, (n - 1) // self.page_size)
+        need = -(-n // self.page_size) - len(hits)
+        pinned_now = sum(1 for p in hits if self.pool.refcount[p] == 0)  # acquiring takes them off the cache
+        if need > self.pool.num_available() - pinned_now:
+            return False
+        self.pool.acquire(hits)
+        seq.page_table = hits + self.pool.allocate(need)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.page_size
+        seq.num_published_pages = len(hits)
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        if self.config.enable_prefix_caching:
+            self.counters.lookups += 1
+            self.counters.query_tokens += n
+            self.counters.hit_tokens += seq.num_cached_tokens
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's pages and requeue it first; it recomputes prompt and output so far when readmitted."""
+        if self.flights and self.flights.is_open_leader(seq):
+            self.flights.hand_over(seq)
+        self._release_pages(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.counters.preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    # -- after the step ---------------------------------------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], num_tokens: list[int], new_tokens: list) -> None:
+        """Record what the evaluated step computed; publish pages; finish requests that are done."""
+        incremental = self.config.publication == "incremental"
+        for seq, n, out in zip(seqs, num_tokens, new_tokens):
+            was_prefill = seq.in_prefill
+            prompt_part = max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
+            seq.num_computed_prompt_tokens += prompt_part
+            self.counters.computed_prompt_tokens += prompt_part
+            seq.num_computed_tokens += n
+            if self.config.enable_prefix_caching and incremental:
+                self.publish(seq)
+            if was_prefill and not seq.in_prefill and self.flights and self.config.single_flight == "after_prefill":
+                self.publish(seq)  # the followers' checkpoint, even under publication=completion
+                self.flights.release(seq)
+            if out.token is not None:
+                self._append_token(seq, out)
+
+    def _append_token(self, seq: Sequence, out) -> None:
+        seq.token_ids.append(out.token)
+        if out.logprob is not None:
+            seq.logprobs.append(out.logprob)
+        p = seq.params
+        if (out.token in self.eos_token_ids and not p.ignore_eos) or out.token in p.stop_token_ids:
+            self.finish(seq, "stop")
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def publish(self, seq: Sequence) -> None:
+        """Publish every full page whose KV is computed (and evaluated: this runs after the step)."""
+        hashes = seq.full_page_hashes(self.page_size)
+        full = min(seq.num_computed_tokens // self.page_size, len(hashes))
+        for i in range(seq.num_published_pages, full):
+            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            self.pool.publish(seq.page_table[i], hashes[i], hashes[i - 1] if i else None, tokens)
+        seq.num_published_pages = max(seq.num_published_pages, full)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq for good: finished ("stop"/"length"), aborted ("abort") or failed ("error")."""
+        if reason in ("stop", "length") and self.config.enable_prefix_caching:
+            self.publish(seq)
+        self._release_pages(seq)
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.finished.append(seq)
+        if self.flights:
+            self.flights.terminate(seq)
+
+    def _release_pages(self, seq: Sequence) -> None:
+        self.pool.release(seq.page_table)
+        seq.page_table = []
+        seq.num_computed_tokens = 0
+        seq.num_published_pages = 0

@@ -1,0 +1,71 @@
+"""A request's state as it moves through the engine."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minivllm.page_hash import extend_page_hashes
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    page_table: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full pages of token_ids
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_published_pages: int = 0  # pages of page_table already considered for publication
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache (last admission)
+    num_computed_prompt_tokens: int = 0  # prompt tokens this request ran through the model, over all admissions
+    num_preemptions: int = 0
+    flight_role: str | None = None  # "leader" | "follower" under single flight
+    seed: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def full_page_hashes(self, page_size: int) -> list[bytes]:
+        extend_page_hashes(self.page_hashes, self.token_ids, page_size)
+        return self.page_hashes
