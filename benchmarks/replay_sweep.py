@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         "# Prefix-cache replay sweep",
         "",
         "Token hit rate (block size 512; S3FIFO small_ratio 0.1, max_freq 3).",
+        "S3FIFO follows the seed literally: S drains (freq-0 blocks to the ghost) whenever S is full,",
+        "even while M has room, so it can stay below `infinite` at capacities above the unique block count.",
         "",
     ]
     for name, res in results.items():
