@@ -1,0 +1,373 @@
+"""Prefix-cache trace replay: token hit rates of eviction policies on Mooncake-style traces.
+
+A trace is JSON lines, one request each: ``hash_ids`` (chained block hashes,
+512-token blocks), ``input_length`` and optionally ``timestamp``.
+
+Accounting (policy-independent): for each request, k is the number of blocks
+resident from index 0 up to the first miss, checked *before* the request
+touches the cache; hit tokens += min(k * block_size, input_length). Then every
+block of the request is accessed against the policy in order.
+
+Policies: "s3fifo", "lru", "fifo" come from :mod:`minivllm.eviction` (the very
+classes the engine runs); "belady" (offline optimum) and "infinite" (never
+evicts) live here because they need the whole trace.
+
+CLI: ``python -m minivllm.replay TRACE --policy s3fifo --capacity 10000 [--json]``
+or ``--sweep --policies s3fifo,lru --capacities 1000,10000 [--plot out.png]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from minivllm.eviction import POLICIES, make_policy
+
+logger = logging.getLogger(__name__)
+
+REPLAY_POLICIES = POLICIES + ("belady", "infinite")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed; the message names the file and line."""
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    hash_ids: list[int]
+    input_length: int
+    timestamp: float | None = None
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    hit_tokens: int
+    total_tokens: int
+    token_hit_rate: float
+    hit_blocks: int  # sum over requests of the prefix hit length k
+    total_blocks: int  # sum over requests of len(hash_ids)
+
+
+# --- loading ---
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # bool is an int subclass
+
+
+def _parse_line(text: str) -> TraceRequest:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bad JSON: {e.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    for key in ("hash_ids", "input_length"):
+        if key not in obj:
+            raise ValueError(f"missing key {key!r}")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
+        raise ValueError("hash_ids must be a list of integers")
+    length = obj["input_length"]
+    if not _is_int(length) or length < 0:
+        raise ValueError(f"input_length must be a non-negative integer, got {length!r}")
+    ts = obj.get("timestamp")
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+        raise ValueError(f"timestamp must be a number, got {ts!r}")
+    return TraceRequest(hash_ids, length, None if ts is None else float(ts))
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a JSON-lines trace; blank lines are skipped. Raises TraceError with file:line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read trace: {e.strerror or e}") from None
+    requests = []
+    for lineno, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            requests.append(_parse_line(text))
+        except ValueError as e:
+            raise TraceError(f"{path}:{lineno}: {e}") from None
+    return requests
+
+
+# --- offline policies ---
+
+
+class Infinite:
+    """Never evicts: the upper bound any finite cache can reach."""
+
+    def __init__(self) -> None:
+        self._keys: set = set()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def access(self, key: object) -> list:
+        self._keys.add(key)
+        return []
+
+
+class Belady:
+    """Offline optimum (MIN): on a miss when full, evict the resident block used farthest in the future.
+
+    Ties (typically blocks never used again) go to the deeper block first, the one
+    with the larger position in its request, so a prefix's tail leaves before its head.
+    Heap entries are (-next_use, -position, access_index, key); an entry is stale once
+    the key has been accessed again or evicted (lazy deletion).
+    """
+
+    def __init__(self, capacity: int, requests: Sequence[TraceRequest]):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._next_use = _next_uses(requests)
+        self._clock = 0  # index of the next access in the flattened trace
+        self._last: dict = {}  # resident key -> access index of its latest access
+        self._heap: list = []
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._last
+
+    def access(self, key: object, position: int) -> list:
+        i = self._clock
+        self._clock += 1
+        evicted = []
+        if key not in self._last and len(self._last) >= self.capacity:
+            evicted.append(self._pop_farthest())
+        self._last[key] = i
+        heapq.heappush(self._heap, (-self._next_use[i], -position, i, key))
+        return evicted
+
+    def _pop_farthest(self) -> object:
+        while True:
+            _, _, i, key = heapq.heappop(self._heap)
+            if self._last.get(key) == i:  # still the key's live entry
+                del self._last[key]
+                return key
+
+
+def _next_uses(requests: Sequence[TraceRequest]) -> list[float]:
+    """For each access in the flattened trace, the index of the same key's next access (inf if none)."""
+    keys = [h for r in requests for h in r.hash_ids]
+    nxt: list[float] = [math.inf] * len(keys)
+    seen: dict = {}
+    for i in range(len(keys) - 1, -1, -1):
+        nxt[i] = seen.get(keys[i], math.inf)
+        seen[keys[i]] = i
+    return nxt
+
+
+# --- replay ---
+
+
+def replay(
+    requests: Sequence[TraceRequest],
+    policy_name: str,
+    capacity: int,
+    block_size: int = 512,
+    small_ratio: float = 0.1,
+    max_freq: int = 3,
+) -> ReplayResult:
+    """Replay the trace against one policy and capacity (in blocks)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if policy_name == "belady":
+        cache = Belady(capacity, requests)
+        access: Callable[[int, int], object] = cache.access
+    elif policy_name == "infinite":
+        cache = Infinite()
+        access = lambda key, _pos: cache.access(key)  # noqa: E731
+    elif policy_name in POLICIES:
+        cache = make_policy(policy_name, capacity, small_ratio=small_ratio, max_freq=max_freq)
+        access = lambda key, _pos: cache.access(key)  # noqa: E731
+    else:
+        raise ValueError(f"unknown policy {policy_name!r}; expected one of {', '.join(REPLAY_POLICIES)}")
+
+    hit_tokens = total_tokens = hit_blocks = total_blocks = 0
+    for req in requests:
+        k = 0
+        for h in req.hash_ids:  # residency check before any access: stop at the first miss
+            if h not in cache:
+                break
+            k += 1
+        hit_tokens += min(k * block_size, req.input_length)
+        total_tokens += req.input_length
+        hit_blocks += k
+        total_blocks += len(req.hash_ids)
+        for pos, h in enumerate(req.hash_ids):
+            access(h, pos)
+    rate = hit_tokens / total_tokens if total_tokens else 0.0
+    return ReplayResult(hit_tokens, total_tokens, rate, hit_blocks, total_blocks)
+
+
+def sweep(
+    requests: Sequence[TraceRequest],
+    policies: Iterable[str],
+    capacities: Iterable[int],
+    block_size: int = 512,
+    small_ratio: float = 0.1,
+    max_freq: int = 3,
+    progress: Callable[[], None] | None = None,
+) -> list[dict]:
+    """One row per (policy, capacity): {"policy", "capacity", **ReplayResult}. ``progress`` is called after each."""
+    rows = []
+    for policy in policies:
+        for capacity in capacities:
+            result = replay(requests, policy, capacity, block_size, small_ratio, max_freq)
+            rows.append({"policy": policy, "capacity": capacity, **asdict(result)})
+            if progress is not None:
+                progress()
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Markdown table: one row per capacity, one token-hit-rate column per policy."""
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    capacities = sorted({r["capacity"] for r in rows})
+    rate = {(r["policy"], r["capacity"]): r["token_hit_rate"] for r in rows}
+    lines = [
+        "| capacity (blocks) | " + " | ".join(policies) + " |",
+        "|---:|" + "---:|" * len(policies),
+    ]
+    for cap in capacities:
+        cells = [f"{rate[p, cap]:.4f}" if (p, cap) in rate else "" for p in policies]
+        lines.append(f"| {cap} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "") -> None:
+    """PNG: token hit rate vs capacity (log x), one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["capacity"], r["token_hit_rate"]) for r in rows if r["policy"] == policy)
+        ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (blocks)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- CLI ---
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit 2 with the message, no usage dump on stdout
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _csv(kind: Callable[[str], object]) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad list {text!r}") from None
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(
+        prog="minivllm replay", description="Replay a prefix-cache trace against eviction policies."
+    )
+    p.add_argument("trace", help="JSON-lines trace (hash_ids, input_length[, timestamp])")
+    p.add_argument("--policy", choices=REPLAY_POLICIES, help="policy for a single replay")
+    p.add_argument("--capacity", type=int, help="cache capacity in blocks for a single replay")
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--small-ratio", type=float, default=0.1, help="S3FIFO small-queue share")
+    p.add_argument("--max-freq", type=int, default=3, help="S3FIFO frequency cap")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--sweep", action="store_true", help="replay every policy x capacity, print a Markdown table"
+    )
+    p.add_argument("--policies", type=_csv(str), default=list(REPLAY_POLICIES), help="comma list for --sweep")
+    p.add_argument("--capacities", type=_csv(int), help="comma list of block capacities for --sweep")
+    p.add_argument("--plot", help="with --sweep: write a PNG of hit rate vs capacity")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.block_size < 1:
+        p.error("--block-size must be >= 1")
+    if args.sweep:
+        if not args.capacities:
+            p.error("--sweep needs --capacities")
+        bad = [x for x in args.policies if x not in REPLAY_POLICIES]
+        if bad or not args.policies:
+            p.error(f"--policies: unknown {bad}; choose from {', '.join(REPLAY_POLICIES)}")
+        caps = args.capacities
+    else:
+        if args.policy is None or args.capacity is None:
+            p.error("--policy and --capacity are required (or use --sweep)")
+        caps = [args.capacity]
+    if any(c < 1 for c in caps):
+        p.error("capacities must be >= 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        _check_args(p, args)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        requests = load_trace(args.trace)
+        opts = dict(block_size=args.block_size, small_ratio=args.small_ratio, max_freq=args.max_freq)
+        if args.sweep:
+            rows = sweep(requests, args.policies, args.capacities, **opts)
+        else:
+            result = replay(requests, args.policy, args.capacity, **opts)
+    except ValueError as e:  # TraceError, bad S3FIFO ratios
+        print(f"minivllm replay: error: {e}", file=sys.stderr)
+        return 2
+
+    if args.sweep:
+        print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+        if args.plot:
+            try:
+                plot_sweep(rows, args.plot, title=Path(args.trace).name)
+            except OSError as e:
+                print(f"minivllm replay: error: cannot write plot {args.plot}: {e}", file=sys.stderr)
+                return 2
+        return 0
+    if args.json:
+        print(json.dumps(asdict(result)))
+    else:
+        print(f"hit tokens: {result.hit_tokens}")
+        print(f"total tokens: {result.total_tokens}")
+        print(f"token hit rate: {result.token_hit_rate:.6f}")
+        print(f"hit blocks: {result.hit_blocks}")
+        print(f"total blocks: {result.total_blocks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Trace replay: prefix-hit accounting, offline policies, trace validation, CLI."""
+
+import json
+import random
+
+import pytest
+
+from minivllm.replay import (
+    REPLAY_POLICIES,
+    Belady,
+    TraceError,
+    TraceRequest,
+    format_table,
+    load_trace,
+    main,
+    replay,
+    sweep,
+)
+
+BS = 512
+
+
+def req(hash_ids, length=None):
+    return TraceRequest(list(hash_ids), len(hash_ids) * BS if length is None else length)
+
+
+def write_trace(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def random_prefix_trace(seed, n=200):
+    """Chained-hash requests: each extends a random prefix of an earlier one with fresh blocks."""
+    rng = random.Random(seed)
+    prompts, next_id, reqs = [[]], 0, []
+    for _ in range(n):
+        base = rng.choice(prompts)
+        ids = base[: rng.randint(0, len(base))]
+        for _ in range(rng.randint(1, 6)):
+            ids.append(next_id)
+            next_id += 1
+        prompts.append(ids)
+        reqs.append(req(ids, len(ids) * BS - rng.randint(0, BS - 1)))
+    return reqs
+
+
+# --- accounting ---
+
+
+@pytest.mark.parametrize("policy", REPLAY_POLICIES)
+def test_prefix_scan_stops_at_first_miss(policy):
+    trace = [
+        req([1, 2, 3]),  # cold: k = 0, and blocks accessed by this request don't count for it
+        req([9, 2, 3]),  # 2 and 3 are resident but h_0 = 9 misses: k = 0
+        req([1, 2, 7, 3]),  # 1, 2 hit, 7 misses; 3 resident but after the miss: k = 2
+    ]
+    r = replay(trace, policy, capacity=100)
+    assert r.hit_blocks == 2
+    assert r.hit_tokens == 2 * BS
+    assert r.total_blocks == 10
+    assert r.total_tokens == 10 * BS
+    assert r.token_hit_rate == pytest.approx(2 / 10)
+
+
+def test_hit_tokens_clamped_to_input_length():
+    trace = [req([1, 2], 700), req([1, 2], 700), req([1, 2], 1024)]
+    r = replay(trace, "lru", capacity=10)
+    # second request: k = 2 -> min(1024, 700) = 700; third: min(1024, 1024)
+    assert r.hit_tokens == 700 + 1024
+    assert r.total_tokens == 700 + 700 + 1024
+
+
+def test_eviction_lowers_hits_and_capacity_one_counts_nothing_here():
+    trace = [req([1, 2]), req([3]), req([1, 2])]
+    assert replay(trace, "lru", capacity=3).hit_blocks == 2
+    assert replay(trace, "lru", capacity=1).hit_blocks == 0
+
+
+def test_belady_evicts_farthest_next_use():
+    cache = Belady(2, [req([1, 2]), req([3]), req([1])])
+    for pos, h in enumerate([1, 2]):
+        cache.access(h, pos)
+    # 1 is used again at access 3, 2 never again: 2 goes
+    assert cache.access(3, 0) == [2]
+    assert 1 in cache and 3 in cache
+
+
+def test_belady_ties_evict_the_deeper_block():
+    cache = Belady(2, [req([1, 2]), req([3])])
+    for pos, h in enumerate([1, 2]):
+        cache.access(h, pos)
+    # neither 1 (position 0) nor 2 (position 1) is used again: the deeper one, 2, goes
+    assert cache.access(3, 0) == [2]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("capacity", [8, 30])
+def test_belady_beats_online_policies_and_infinite_beats_belady(seed, capacity):
+    trace = random_prefix_trace(seed)
+    best = replay(trace, "belady", capacity).hit_tokens
+    for policy in ("s3fifo", "lru", "fifo"):
+        assert replay(trace, policy, capacity).hit_tokens <= best
+    assert replay(trace, "infinite", capacity).hit_tokens >= best
+
+
+def test_unknown_policy_rejected():
+    with pytest.raises(ValueError, match="unknown policy"):
+        replay([req([1])], "arc", 10)
+
+
+def test_sweep_rows_and_table():
+    trace = random_prefix_trace(0, n=30)
+    rows = sweep(trace, ["lru", "infinite"], [5, 50])
+    assert [(r["policy"], r["capacity"]) for r in rows] == [
+        ("lru", 5),
+        ("lru", 50),
+        ("infinite", 5),
+        ("infinite", 50),
+    ]
+    table = format_table(rows).splitlines()
+    assert table[0] == "| capacity (blocks) | lru | infinite |"
+    assert table[2].startswith("| 5 | ")
+    assert len(table) == 4
+
+
+# --- loading ---
+
+
+def test_load_trace_skips_blank_lines(tmp_path):
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            '{"timestamp": 3, "input_length": 600, "output_length": 5, "hash_ids": [4, 5]}',
+            "",
+            '{"input_length": 10, "hash_ids": []}',
+        ],
+    )
+    reqs = load_trace(path)
+    assert reqs == [TraceRequest([4, 5], 600, 3.0), TraceRequest([], 10, None)]
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ('{"input_length": 5, "hash_ids": [1,', "bad JSON"),
+        ('{"input_length": 5}', "hash_ids"),
+        ('{"hash_ids": [1]}', "input_length"),
+        ('{"input_length": 5, "hash_ids": [1, "2"]}', "hash_ids"),
+        ('{"input_length": 5, "hash_ids": [1, 2.0]}', "hash_ids"),
+        ('{"input_length": 5, "hash_ids": [true]}', "hash_ids"),  # bools are not ints
+        ('{"input_length": -1, "hash_ids": [1]}', "input_length"),
+        ('{"input_length": 5.5, "hash_ids": [1]}', "input_length"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_bad_trace_lines_name_file_and_line(tmp_path, bad, why):
+    good = '{"input_length": 5, "hash_ids": [1]}'
+    path = write_trace(tmp_path / "t.jsonl", [good, "", bad, good])
+    with pytest.raises(TraceError, match=why) as info:
+        load_trace(path)
+    assert f"{path}:3:" in str(info.value)
+
+
+def test_missing_trace_file(tmp_path):
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace(tmp_path / "none.jsonl")
+
+
+# --- CLI ---
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    lines = [
+        json.dumps({"input_length": r.input_length, "hash_ids": r.hash_ids})
+        for r in random_prefix_trace(1, 40)
+    ]
+    return write_trace(tmp_path / "t.jsonl", lines)
+
+
+def test_cli_json_has_exactly_the_five_keys(trace_file, capsys):
+    assert main([str(trace_file), "--policy", "s3fifo", "--capacity", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"hit_tokens", "total_tokens", "token_hit_rate", "hit_blocks", "total_blocks"}
+    expected = replay(load_trace(trace_file), "s3fifo", 20)
+    assert out["hit_tokens"] == expected.hit_tokens
+
+
+def test_cli_plain_output_is_labelled(trace_file, capsys):
+    assert main([str(trace_file), "--policy", "lru", "--capacity", "20"]) == 0
+    labels = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
+    assert labels == ["hit tokens", "total tokens", "token hit rate", "hit blocks", "total blocks"]
+
+
+def test_cli_sweep_prints_table_and_writes_plot(trace_file, tmp_path, capsys):
+    png = tmp_path / "out.png"
+    args = [
+        str(trace_file),
+        "--sweep",
+        "--policies",
+        "lru,belady",
+        "--capacities",
+        "5,50",
+        "--plot",
+        str(png),
+    ]
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "| capacity (blocks) | lru | belady |"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bad_trace_exits_2_without_traceback(tmp_path, capsys):
+    path = write_trace(tmp_path / "bad.jsonl", ['{"input_length": 5, "hash_ids": [1]}', "not json"])
+    assert main([str(path), "--policy", "lru", "--capacity", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--policy", "arc", "--capacity", "5"],
+        ["--policy", "lru", "--capacity", "0"],
+        ["--policy", "lru"],
+        ["--policy", "s3fifo", "--capacity", "5", "--small-ratio", "2"],
+        ["--sweep", "--capacities", "5", "--policies", "lru,arc"],
+        ["--sweep", "--capacities", "5,x"],
+        ["--sweep"],
+    ],
+)
+def test_cli_bad_args_exit_2(trace_file, args, capsys):
+    assert main([str(trace_file), *args]) == 2
+    assert capsys.readouterr().err
