@@ -57,10 +57,14 @@ class AsyncEngine:
             if self._thread.is_alive():
                 logger.error("engine thread did not stop within %.0f s", timeout)
         for rid, stream in list(self._streams.items()):
-            stream.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="abort", error="server shutting down"))
+            stream.put_nowait(
+                RequestOutput(rid, [], finished=True, finish_reason="abort", error="server shutting down")
+            )
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Raises ValueError / QueueFull before the first output if refused.
         Closing the iterator early (client gone) aborts the request and releases its pages."""
         if request_id in self._streams:

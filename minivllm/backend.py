@@ -65,4 +65,6 @@ def detect_backend() -> Backend:
             return Backend("cuda", "CUDA")
     if sys.platform == "darwin":
         return Backend("cpu", "Accelerate")
-    return Backend("cpu", f"OpenBLAS ({OPENBLAS_PATH})" if OPENBLAS_PATH else "MLX bundled reference BLAS (slow)")
+    return Backend(
+        "cpu", f"OpenBLAS ({OPENBLAS_PATH})" if OPENBLAS_PATH else "MLX bundled reference BLAS (slow)"
+    )

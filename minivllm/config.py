@@ -30,12 +30,16 @@ class EngineConfig:
         _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0")
         _check(0 < self.kv_cache_fraction <= 0.9, "kv_cache_fraction must be in (0, 0.9]")
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _check(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens must be >= max_num_seqs")
+        _check(
+            self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens must be >= max_num_seqs"
+        )
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.max_waiting >= 1, "max_waiting must be >= 1")
         _check(self.eviction in EVICTION_POLICIES, f"eviction must be one of {EVICTION_POLICIES}")
         _check(self.publication in PUBLICATION_MODES, f"publication must be one of {PUBLICATION_MODES}")
-        _check(self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}")
+        _check(
+            self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}"
+        )
         _check(
             self.enable_prefix_caching or self.single_flight == "off",
             "single_flight needs the prefix cache (followers restore the leader's pages); set it to 'off'",

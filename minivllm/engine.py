@@ -63,8 +63,14 @@ class LLMEngine:
         self.num_steps = 0
         logger.info(
             "KV pool: %d pages of %d tokens (%.1f MiB, %s); prefix cache %s, eviction %s, publication %s, single flight %s",
-            num_pages, config.page_size, num_pages * config.page_size * geometry.bytes_per_token / 2**20,
-            geometry.dtype, config.enable_prefix_caching, config.eviction, config.publication, config.single_flight,
+            num_pages,
+            config.page_size,
+            num_pages * config.page_size * geometry.bytes_per_token / 2**20,
+            geometry.dtype,
+            config.enable_prefix_caching,
+            config.eviction,
+            config.publication,
+            config.single_flight,
         )
 
     def _num_pages(self, geometry: KVGeometry) -> int:
@@ -74,11 +80,15 @@ class LLMEngine:
             budget = min(int(total * self.config.kv_cache_fraction), 2 << 30)
         num_pages = budget // (geometry.bytes_per_token * self.config.page_size)
         if num_pages < 2:
-            raise ValueError(f"kv_cache_bytes={budget} holds fewer than 2 pages of {self.config.page_size} tokens")
+            raise ValueError(
+                f"kv_cache_bytes={budget} holds fewer than 2 pages of {self.config.page_size} tokens"
+            )
         return num_pages
 
     # -- requests -----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Sequence:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -135,7 +145,9 @@ class LLMEngine:
                 for seq, out in zip(seqs, step_outputs):
                     if out.token is not None:
                         seq.first_token_time = seq.first_token_time or now
-                        outputs[seq.request_id] = self._output(seq, [out.token], [out.logprob] if out.logprob else [])
+                        outputs[seq.request_id] = self._output(
+                            seq, [out.token], [out.logprob] if out.logprob else []
+                        )
         for seq in self.scheduler.finished:
             self.requests.pop(seq.request_id, None)
             if seq.request_id not in outputs:
@@ -143,7 +155,9 @@ class LLMEngine:
         self.scheduler.finished.clear()
         return list(outputs.values())
 
-    def _output(self, seq: Sequence, tokens: list[int], logprobs=(), error: str | None = None) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, tokens: list[int], logprobs=(), error: str | None = None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -162,6 +176,9 @@ class LLMEngine:
         in_use = sum(self.pool.refcount)
         held = sum(len(s.page_table) for s in self.scheduler.running)
         assert in_use == held, f"pages referenced {in_use} != pages held by running requests {held}"
+        free = set(self.pool.free)
+        for seq in self.scheduler.running:
+            assert not free.intersection(seq.page_table), f"{seq.request_id} holds a free page"
 
     def stats(self) -> dict:
         c, p = self.scheduler.counters, self.pool.counters

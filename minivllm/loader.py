@@ -45,7 +45,9 @@ def resolve_model(ref: str | None) -> str:
         return str(path)
     looks_like_repo = ref.count("/") == 1 and not ref.startswith((".", "/", "~"))
     if not looks_like_repo:
-        raise FileNotFoundError(f"model not found: {ref!r} is neither a directory, a .gguf file nor a repo id")
+        raise FileNotFoundError(
+            f"model not found: {ref!r} is neither a directory, a .gguf file nor a repo id"
+        )
     return ref
 
 

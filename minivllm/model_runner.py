@@ -61,14 +61,25 @@ class ModelRunner:
             [s.page_table for s in seqs], [s.num_computed_tokens for s in seqs], num_tokens, self.page_size
         )
         # only sequences whose chunk reaches their last token produce a new token this step
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, num_tokens)) if s.num_computed_tokens + n == len(s.token_ids)]
+        sampling = [
+            i
+            for i, (s, n) in enumerate(zip(seqs, num_tokens))
+            if s.num_computed_tokens + n == len(s.token_ids)
+        ]
         ends = np.cumsum(num_tokens) - 1
         outputs = [StepOutput(None) for _ in seqs]
         if not sampling:
             logits_index = mx.array([0], dtype=mx.int32)  # the graph still has to write the KV
         else:
             logits_index = mx.array(ends[sampling].astype(np.int32))
-        logits = forward(self.model, mx.array(input_ids), mx.array(positions, dtype=mx.int32), self.kv, layout, logits_index)
+        logits = forward(
+            self.model,
+            mx.array(input_ids),
+            mx.array(positions, dtype=mx.int32),
+            self.kv,
+            layout,
+            logits_index,
+        )
         if not sampling:
             mx.eval(self.kv.keys, self.kv.values)
             return outputs

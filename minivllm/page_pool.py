@@ -146,8 +146,10 @@ class PagePool:
         free = set(self.free)
         assert len(free) == len(self.free), "a page is on the free list twice"
         for page in range(self.num_pages):
-            states = (page in free) + (self.refcount[page] > 0) + (
-                self.refcount[page] == 0 and self.page_hash[page] is not None
+            states = (
+                (page in free)
+                + (self.refcount[page] > 0)
+                + (self.refcount[page] == 0 and self.page_hash[page] is not None)
             )
             assert states == 1, f"page {page} is in {states} states"
         assert self.num_free + self.num_in_use + self.num_cached == self.num_pages

@@ -136,13 +136,20 @@ class Scheduler:
         incremental = self.config.publication == "incremental"
         for seq, n, out in zip(seqs, num_tokens, new_tokens):
             was_prefill = seq.in_prefill
-            prompt_part = max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
+            prompt_part = max(
+                0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens
+            )
             seq.num_computed_prompt_tokens += prompt_part
             self.counters.computed_prompt_tokens += prompt_part
             seq.num_computed_tokens += n
             if self.config.enable_prefix_caching and incremental:
                 self.publish(seq)
-            if was_prefill and not seq.in_prefill and self.flights and self.config.single_flight == "after_prefill":
+            if (
+                was_prefill
+                and not seq.in_prefill
+                and self.flights
+                and self.config.single_flight == "after_prefill"
+            ):
                 self.publish(seq)  # the followers' checkpoint, even under publication=completion
                 self.flights.release(seq)
             if out.token is not None:
@@ -155,7 +162,10 @@ class Scheduler:
         p = seq.params
         if (out.token in self.eos_token_ids and not p.ignore_eos) or out.token in p.stop_token_ids:
             self.finish(seq, "stop")
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif (
+            len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
             self.finish(seq, "length")
 
     def publish(self, seq: Sequence) -> None:

@@ -34,7 +34,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_published_pages: int = 0  # pages of page_table already considered for publication
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache (last admission)
-    num_computed_prompt_tokens: int = 0  # prompt tokens this request ran through the model, over all admissions
+    num_computed_prompt_tokens: int = (
+        0  # prompt tokens this request ran through the model, over all admissions
+    )
     num_preemptions: int = 0
     flight_role: str | None = None  # "leader" | "follower" under single flight
     seed: int = 0

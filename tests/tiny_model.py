@@ -36,7 +36,9 @@ def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
     return tok
 
 
-def make_tiny_model(path: str | Path, *, seed: int = 0, num_layers: int = 2, tie_embeddings: bool = False) -> Path:
+def make_tiny_model(
+    path: str | Path, *, seed: int = 0, num_layers: int = 2, tie_embeddings: bool = False
+) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

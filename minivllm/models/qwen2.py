@@ -20,7 +20,9 @@ class KVPools:
     values: list[mx.array]
 
 
-def attention(attn: nn.Module, x: mx.array, positions: mx.array, kv: KVPools, layer: int, layout: AttentionLayout):
+def attention(
+    attn: nn.Module, x: mx.array, positions: mx.array, kv: KVPools, layer: int, layout: AttentionLayout
+):
     T = x.shape[0]
     # rope treats axis 0 as the batch with one offset per entry: [T, heads, 1, D] gives each token its position
     q = attn.rope(attn.q_proj(x).reshape(T, attn.n_heads, 1, -1), offset=positions)
@@ -33,7 +35,12 @@ def attention(attn: nn.Module, x: mx.array, positions: mx.array, kv: KVPools, la
 
 
 def forward(
-    model: nn.Module, input_ids: mx.array, positions: mx.array, kv: KVPools, layout: AttentionLayout, logits_index: mx.array
+    model: nn.Module,
+    input_ids: mx.array,
+    positions: mx.array,
+    kv: KVPools,
+    layout: AttentionLayout,
+    logits_index: mx.array,
 ) -> mx.array:
     """Logits [len(logits_index), vocab] for the flat tokens at logits_index (each sampling sequence's last)."""
     body = model.model
@@ -51,7 +58,15 @@ def check_supported(model: nn.Module) -> None:
     """The forward above needs the Llama-family module layout."""
     try:
         attn = model.model.layers[0].self_attn
-        needed = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.rope, attn.n_heads, attn.n_kv_heads)
+        needed = (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            attn.rope,
+            attn.n_heads,
+            attn.n_kv_heads,
+        )
     except AttributeError as e:
         raise ValueError(f"unsupported architecture {getattr(model, 'model_type', '?')!r}: {e}") from e
     del needed

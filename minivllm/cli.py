@@ -1,0 +1,99 @@
+"""Command line: `minivllm generate | serve | convert | replay`."""
+
+import argparse
+import logging
+import sys
+
+from minivllm import backend as _backend  # noqa: F401  (OpenBLAS before mlx)
+
+
+def generate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="minivllm generate", description="Stream a completion for one prompt.")
+    p.add_argument(
+        "--model", default=None, help="model dir, .gguf file or repo id (default: the offline default model)"
+    )
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    args = p.parse_args(argv)
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+        engine = LLMEngine(EngineConfig(model=args.model))
+        tok = engine.tokenizer
+        if args.no_chat_template or not tok.chat_template:
+            prompt = tok.encode(args.prompt)
+        else:
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+            )
+        engine.add_request("cli", prompt, params)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    detok = tok.detokenizer
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for t in out.new_token_ids:
+                if t not in engine.eos_token_ids:
+                    detok.add_token(t)
+            print(detok.last_segment, end="", flush=True)
+    detok.finalize()
+    print(detok.last_segment, flush=True)
+    return 0
+
+
+def convert_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="minivllm convert", description="Convert a GGUF file into an MLX model directory."
+    )
+    p.add_argument("gguf")
+    p.add_argument("out_dir")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=64)
+    args = p.parse_args(argv)
+    from minivllm.gguf_import import GGUFError, convert_gguf
+
+    try:
+        out = convert_gguf(args.gguf, args.out_dir, bits=args.bits, group_size=args.group_size)
+    except (GGUFError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def replay_main(argv: list[str]) -> int:
+    from minivllm.replay import main
+
+    return main(argv)
+
+
+def serve_main(argv: list[str]) -> int:
+    from server.cli import serve_main as main
+
+    return main(argv)
+
+
+COMMANDS = {"generate": generate_main, "serve": serve_main, "convert": convert_main, "replay": replay_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: minivllm {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

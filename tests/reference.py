@@ -1,0 +1,19 @@
+"""Greedy reference outputs from mlx-lm itself (float32, as minivllm runs on the CPU), for parity tests."""
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import dequantize_model
+
+import minivllm  # noqa: F401  (OpenBLAS before mlx)
+
+
+class MlxLmReference:
+    def __init__(self, model_dir):
+        self.model, self.tokenizer = mlx_lm.load(str(model_dir))
+        self.model = dequantize_model(self.model)
+        self.model.update(tree_map(lambda p: p.astype(mx.float32), self.model.parameters()))
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return [int(t) for t, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens)]

@@ -1,0 +1,147 @@
+"""Prefix cache in the engine: restore rule, publication timing, page sharing, eviction, collisions."""
+
+import pytest
+import xxhash
+
+from minivllm import EngineConfig, SamplingParams
+from minivllm.engine import LLMEngine
+from minivllm.eviction import make_policy
+from minivllm.page_pool import PagePool
+from tests.test_engine import random_prompts
+
+PAGE_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # one page of the tiny model in float32
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_bytes", 8 << 20)
+    kw.setdefault("single_flight", "off")
+    return LLMEngine(EngineConfig(model=str(model_dir), **kw))
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def run(engine, check=False):
+    while engine.has_unfinished_requests():
+        engine.step()
+        if check:
+            engine.check_invariants()
+
+
+def generate(engine, rid, prompt, n=8):
+    seq = engine.add_request(rid, prompt, greedy(n))
+    run(engine)
+    return seq
+
+
+@pytest.mark.parametrize("n, restored", [(493, 480), (532, 528), (96, 80), (17, 16), (16, 0)])
+def test_repeated_prompt_restores_whole_pages_but_the_last_token(tiny_model_dir, n, restored):
+    engine = make_engine(tiny_model_dir, max_model_len=1024)
+    prompt = random_prompts([n], seed=n)[0]
+    cold = generate(engine, "cold", prompt)
+    warm = generate(engine, "warm", prompt)
+    assert cold.num_cached_tokens == 0
+    assert warm.num_cached_tokens == restored
+    assert warm.num_computed_prompt_tokens == n - restored
+    assert warm.output_token_ids == cold.output_token_ids
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] == restored and stats["prefix_query_tokens"] == 2 * n
+
+
+def start_and_decode(engine, rid, prompt, steps=3):
+    seq = engine.add_request(rid, prompt, greedy(40))
+    while len(seq.output_token_ids) < steps:
+        engine.step()
+    return seq
+
+
+def test_incremental_publication_serves_a_request_that_is_still_decoding(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, publication="incremental")
+    prompt = random_prompts([100], seed=1)[0]
+    first = start_and_decode(engine, "first", prompt)
+    second = engine.add_request("second", prompt, greedy(5))
+    engine.step()
+    assert not first.is_finished
+    assert second.num_cached_tokens == 96
+    # both share the same physical pages for the prefix
+    assert second.page_table[:6] == first.page_table[:6]
+    assert all(engine.pool.refcount[p] == 2 for p in first.page_table[:6])
+    run(engine, check=True)
+
+
+def test_completion_publication_restores_nothing_until_the_first_finishes(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, publication="completion")
+    prompt = random_prompts([100], seed=2)[0]
+    first = start_and_decode(engine, "first", prompt)
+    second = engine.add_request("second", prompt, greedy(5))
+    engine.step()
+    assert not first.is_finished and second.num_cached_tokens == 0
+    run(engine)
+    third = generate(engine, "third", prompt)
+    assert third.num_cached_tokens == 96
+
+
+def test_generated_tokens_are_published_too(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = random_prompts([20], seed=3)[0]
+    first = generate(engine, "first", prompt, n=40)
+    follow_up = generate(engine, "follow-up", first.token_ids + [5, 6, 7])
+    assert follow_up.num_cached_tokens == (len(first.token_ids) - 1) // 16 * 16
+
+
+def test_small_pool_evicts_only_unreferenced_pages(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=24 * PAGE_BYTES, max_num_seqs=3)
+    for i, prompt in enumerate(random_prompts([70, 90, 50, 120, 80, 60], seed=4)):
+        engine.add_request(f"r{i}", prompt, greedy(12))
+    run(engine, check=True)
+    stats = engine.stats()
+    assert stats["pages_evicted"] > 0
+    pool = engine.pool
+    assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo"])
+def test_every_policy_keeps_the_page_states_consistent(tiny_model_dir, policy):
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=20 * PAGE_BYTES, eviction=policy, max_num_seqs=2)
+    shared = random_prompts([48], seed=5)[0]
+    for i, tail in enumerate(random_prompts([20, 40, 30, 50], seed=6)):
+        engine.add_request(f"r{i}", shared + tail, greedy(10))
+    run(engine, check=True)
+    again = generate(engine, "again", shared + [1, 2])
+    assert again.num_cached_tokens in (0, 16, 32, 48)  # whatever survived, only whole shared pages
+
+
+def test_a_hash_collision_is_caught_by_the_token_comparison(tiny_model_dir, monkeypatch):
+    # every page of the same index collides: the hash ignores the tokens
+    monkeypatch.setattr("minivllm.page_hash.hash_page", lambda parent, tokens: xxhash.xxh3_128_digest(parent))
+    engine = make_engine(tiny_model_dir)
+    a, b = random_prompts([64, 64], seed=7)
+    seq_a = generate(engine, "a", a)
+    seq_b = generate(engine, "b", b)
+    assert seq_b.page_hashes[:3] == seq_a.page_hashes[:3]  # the stub made them collide
+    assert seq_b.num_cached_tokens == 0
+    uncached = make_engine(tiny_model_dir, enable_prefix_caching=False)
+    assert seq_b.output_token_ids == generate(uncached, "b", b).output_token_ids
+
+
+def test_pool_frees_unreachable_descendants_first():
+    pool = PagePool(4, 2, make_policy("lru", 4))
+    pages = pool.allocate(3)
+    hashes = [b"a", b"b", b"c"]
+    for i, (page, h) in enumerate(zip(pages, hashes)):
+        assert pool.publish(page, h, hashes[i - 1] if i else None, [i, i])
+    pool.release(pages)
+    assert pool.num_cached == 3
+    pool.allocate(2)  # 1 free page + 1 eviction: LRU evicts "a", so "b" and "c" are unreachable and freed
+    assert pool.num_cached == 0 and pool.num_free == 2
+    pool.check_invariants()
+
+
+def test_pool_publishes_nothing_below_an_unpublished_parent():
+    pool = PagePool(4, 2, make_policy("s3fifo", 4))
+    pages = pool.allocate(2)
+    assert not pool.publish(pages[1], b"child", b"missing-parent", [1, 1])
+    assert pool.publish(pages[0], b"root", None, [0, 0])
+    assert not pool.publish(pages[1], b"root", None, [0, 0])  # a twin of a published page stays private
+    pool.check_invariants()
