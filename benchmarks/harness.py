@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, TypeVar
@@ -599,7 +599,9 @@ def write_results(
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     json_path.write_text(
-        json.dumps({"name": name, "metadata": meta, "rows": rows, "raw": raw}, indent=2, default=str)
+        json.dumps(
+            {"name": name, "metadata": meta, "rows": rows, "raw": raw}, indent=2, default=_json_default
+        )
     )
     header = [f"# {name}", ""] + [f"- **{k}**: {_meta_line(v)}" for k, v in meta.items()]
     md_path.write_text("\n".join(header + ["", markdown_table(rows), ""] + ([notes, ""] if notes else [])))
@@ -636,10 +638,9 @@ def save_plot(
     return path
 
 
-def result_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
-    return [
-        {k: v for k, v in asdict(r).items() if k != "text"} | {"text_chars": len(r.text)} for r in results
-    ]
+def _json_default(o: Any) -> Any:
+    # Raw data may hold RequestResults and Paths: dataclasses become dicts, anything else a string.
+    return asdict(o) if is_dataclass(o) and not isinstance(o, type) else str(o)
 
 
 # ---------------------------------------------------------------- command line
@@ -690,3 +691,43 @@ def result_name(base: str, args: argparse.Namespace) -> str:
 def print_report(md_path: Path, json_path: Path) -> None:
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
+
+
+# ---------------------------------------------------------------- configurations
+
+
+@dataclass
+class Session:
+    """A started server with its client: what a scenario's run function receives."""
+
+    server: Server
+    client: Any
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int, **kw: Any) -> RequestResult:
+        return await stream_chat(self.client, messages, max_tokens, model=self.server.model_id, **kw)
+
+    async def burst(
+        self, prompts: list[list[dict[str, str]]], max_tokens: int, **kw: Any
+    ) -> list[RequestResult]:
+        return await chat_burst(self.client, prompts, max_tokens, model=self.server.model_id, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        return fetch_metrics(self.server.base_url)
+
+
+async def run_configs(
+    specs: list[ServerSpec], runs: int, fn: Callable[[Session, int], Awaitable[T]]
+) -> dict[str, list[T]]:
+    """For each spec: a fresh server (so every configuration starts with a cold cache), a warm-up
+    request, then `runs` calls of fn(session, run_index). Results by spec label."""
+    out: dict[str, list[T]] = {}
+    for spec in specs:
+        with running_server(spec) as server:
+            client = make_client(server)
+            try:
+                await warmup(client, server.model_id)
+                session = Session(server, client)
+                out[spec.label] = await repeat_runs(runs, lambda r, s=session: fn(s, r), desc=spec.label)
+            finally:
+                await client.close()
+    return out
