@@ -34,7 +34,12 @@ async def one_run(session: h.Session, run: int, tokenizer, n_tokens: int, max_to
     results = []
     for probe in probes:  # one at a time: each probe measures reuse, not contention
         results.append(await session.chat(probe.messages, max_tokens))
-    return {"seed": cold, "probes": results, "shared": [p.shared_tokens for p in probes]}
+    return {
+        "seed": cold,
+        "probes": results,
+        "shared": [p.shared_tokens for p in probes],
+        "client_tokens": [p.n_tokens for p in probes],  # if these differ from the server's, so may "expected"
+    }
 
 
 def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> list[dict[str, Any]]:
@@ -50,6 +55,7 @@ def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> lis
                 "cache": label,
                 "request": "seed (cold)",
                 "prompt tokens": runs[0]["seed"].prompt_tokens,
+                "client tokens": None,
                 "shared tokens": None,
                 "restored": h.mean_sd([r["seed"].cached_tokens for r in runs])[0],
                 "expected": 0,
@@ -69,6 +75,7 @@ def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> lis
                     "cache": label,
                     "request": f"probe {f:.0%}",
                     "prompt tokens": probes[0].prompt_tokens,
+                    "client tokens": runs[0]["client_tokens"][i],
                     "shared tokens": runs[0]["shared"][i],
                     "restored": h.mean_sd([p.cached_tokens for p in probes])[0],
                     "expected": expected[0],
