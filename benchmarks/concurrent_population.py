@@ -1,0 +1,109 @@
+"""Concurrent population: followers arrive while the first request with the same prompt decodes.
+
+One request starts (~500-token prompt, 128 output tokens); once its first token arrives, 2/4/8
+followers with the same prompt are sent at once. Publication at completion vs incremental (single
+flight off): restored tokens per follower and mean TTFT, with the reduction incremental buys.
+
+    python -m benchmarks.concurrent_population [--model DIR] [--runs 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from benchmarks import harness as h
+
+CONFIGS = {
+    "completion": {"MINIVLLM_PUBLICATION": "completion", "MINIVLLM_SINGLE_FLIGHT": "off"},
+    "incremental": {"MINIVLLM_PUBLICATION": "incremental", "MINIVLLM_SINGLE_FLIGHT": "off"},
+}
+
+
+async def one_group(session: h.Session, prompt: h.Prompt, followers: int, max_tokens: int) -> dict[str, Any]:
+    started = asyncio.Event()
+    leader = asyncio.create_task(session.chat(prompt.messages, max_tokens, first_token=started))
+    await started.wait()  # the leader has prefilled: whatever it publishes early is visible now
+    rest = await session.burst([prompt.messages] * followers, max_tokens)
+    return {"leader": await leader, "followers": rest}
+
+
+async def one_run(
+    session: h.Session, run: int, tokenizer, groups: tuple[int, ...], n_tokens: int, max_tokens: int
+):
+    out = {}
+    for i, n in enumerate(groups):
+        # A new prompt per group and run: every group starts from a cold cache for its prompt.
+        prompt = h.make_prompt(tokenizer, n_tokens, 20_000 + 100 * run + i)
+        out[n] = await one_group(session, prompt, n, max_tokens)
+    return out
+
+
+def follower_means(runs: list[dict[int, Any]], n: int, field: str) -> list[float]:
+    """Each run's mean over its followers of one RequestResult field."""
+    return [h.mean_sd([getattr(r, field) for r in g[n]["followers"]])[0] for g in runs]
+
+
+def summarize(by_config: dict[str, list[dict[int, Any]]], groups: tuple[int, ...]) -> list[dict[str, Any]]:
+    rows = []
+    for n in groups:
+        base = h.mean_sd(follower_means(by_config.get("completion", []), n, "ttft_s"))[0]
+        for label, runs in by_config.items():
+            ttft = follower_means(runs, n, "ttft_s")
+            everyone = [h.mean_sd([x.ttft_s for x in [g[n]["leader"], *g[n]["followers"]]])[0] for g in runs]
+            rows.append(
+                {
+                    "followers": n,
+                    "publication": label,
+                    "prompt tokens": runs[0][n]["leader"].prompt_tokens,
+                    "restored per follower": h.mean_sd(follower_means(runs, n, "cached_tokens"))[0],
+                    "min restored": min(r.cached_tokens for g in runs for r in g[n]["followers"]),
+                    "leader TTFT ms": h.fmt_ms([g[n]["leader"].ttft_s for g in runs]),
+                    "follower mean TTFT ms": h.fmt_ms(ttft),
+                    "all-request mean TTFT ms": h.fmt_ms(everyone),
+                    "follower TTFT reduction % vs completion": (
+                        None if label == "completion" else h.reduction(base, h.mean_sd(ttft)[0])
+                    ),
+                }
+            )
+    return rows
+
+
+async def run(args) -> None:
+    tokenizer = h.load_tokenizer(args.model)
+    groups, n_tokens, max_tokens = ((2,), 200, 16) if args.quick else ((2, 4, 8), 500, 128)
+    specs = [h.spec_for(args, label, env) for label, env in CONFIGS.items()]
+    by_config = await h.run_configs(
+        specs, args.runs, lambda s, r: one_run(s, r, tokenizer, groups, n_tokens, max_tokens)
+    )
+    rows = summarize(by_config, groups)
+    name = h.result_name("concurrent_population", args)
+    meta = h.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
+    paths = h.write_results(name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES)
+    if args.plot:
+        series = {
+            label: [
+                h.mean_sd([h.mean_sd([x.ttft_s for x in g[n]["followers"]])[0] for g in runs])[0] * 1e3
+                for n in groups
+            ]
+            for label, runs in by_config.items()
+        }
+        h.save_plot(
+            name, [f"{n} followers" for n in groups], series, "follower mean TTFT (ms)", out_dir=args.out
+        )
+    h.print_report(paths[1], paths[0])
+
+
+NOTES = (
+    "Followers are sent together once the leader's first token arrives. TTFT: client-side, send -> first "
+    "streamed content; mean ± sd over runs of each run's mean. Restored: cached_tokens."
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = h.parse_args(h.base_parser(__doc__.splitlines()[0]), argv)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
