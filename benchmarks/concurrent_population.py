@@ -91,7 +91,7 @@ async def run(args) -> None:
         h.save_plot(
             name, [f"{n} followers" for n in groups], series, "follower mean TTFT (ms)", out_dir=args.out
         )
-    h.print_report(paths[1], paths[0])
+    h.print_report(paths)
 
 
 NOTES = (

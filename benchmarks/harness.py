@@ -688,7 +688,9 @@ def result_name(base: str, args: argparse.Namespace) -> str:
     return base + suffix + ("-quick" if args.quick else "")
 
 
-def print_report(md_path: Path, json_path: Path) -> None:
+def print_report(paths: tuple[Path, Path]) -> None:
+    """Print what write_results wrote: (json_path, md_path)."""
+    json_path, md_path = paths
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
 

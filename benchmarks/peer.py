@@ -103,7 +103,7 @@ async def run(args) -> None:
             n: [h.mean_sd([r["metrics"][m] for r in by_server[n]])[0] for m in ttft] for n in args.servers
         }
         h.save_plot(name, ttft, series, "ms", out_dir=args.out)
-    h.print_report(paths[1], paths[0])
+    h.print_report(paths)
 
 
 NOTES = (

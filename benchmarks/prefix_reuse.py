@@ -102,7 +102,7 @@ async def run(args) -> None:
         on = [r for r in rows if r["cache"] == "cache-on" and r["request"].startswith("probe")]
         h.save_plot(name, [r["request"] for r in on], {"restored tokens": [r["restored"] for r in on]}, "tokens",
                     out_dir=args.out)  # fmt: skip
-    h.print_report(paths[1], paths[0])
+    h.print_report(paths)
 
 
 NOTES = (

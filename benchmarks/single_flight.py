@@ -186,7 +186,7 @@ async def run(args) -> None:
     name = h.result_name("single_flight" + ("_churn" if args.scenario == "churn" else ""), args)
     meta = h.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
     paths = h.write_results(name, rows, meta, out_dir=args.out, raw=raw, notes=NOTES[args.scenario])
-    h.print_report(paths[1], paths[0])
+    h.print_report(paths)
 
 
 def main(argv: list[str] | None = None) -> None:
