@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,50 +136,51 @@ def expected_tensors(info: GGUFModelInfo) -> list[str]:
     return names
 
 
-def load_float_weights(reader: GGUFReader, info: GGUFModelInfo) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 under its mlx-lm name, fixing llama's Q/K permutation."""
+def check_tensors(reader: GGUFReader, info: GGUFModelInfo) -> None:
     present = {t.name for t in reader.tensors}
     missing = [n for n in expected_tensors(info) if n not in present]
     if missing:
         raise GGUFError(f"GGUF is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    weights: dict[str, np.ndarray] = {}
+    unknown = [n for n in present - SKIPPED_TENSORS if hf_name(n) is None]
+    if unknown:
+        raise GGUFError(f"unexpected tensor(s) for architecture {info.arch}: {unknown[:3]}")
+
+
+def iter_float_weights(reader: GGUFReader, info: GGUFModelInfo) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (mlx-lm name, float32 array) per tensor, fixing llama's Q/K permutation; one tensor at a time."""
+    check_tensors(reader, info)
     for t in tqdm(reader.tensors, desc="dequantize GGUF", unit="tensor"):
         if t.name in SKIPPED_TENSORS:
             logger.warning("skipping %s (llama.cpp rope factors; rope scaling is not imported)", t.name)
             continue
-        name = hf_name(t.name)
-        if name is None:
-            raise GGUFError(f"unexpected tensor {t.name!r} for architecture {info.arch}")
         # GGUF dims are innermost-first; the reader's data already has the row-major shape for
         # quantized types, but F32/F16 may come flat, so reshape to the reversed dims explicitly.
         shape = tuple(reversed([int(d) for d in t.shape]))
-        w = np.asarray(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32).reshape(
-            shape
-        )
+        w = np.asarray(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32)
+        w = w.reshape(shape)
         if info.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = llama_unpermute(w, info.num_heads)
         elif info.arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = llama_unpermute(w, info.num_kv_heads)
-        weights[name] = w
-    return weights
+        yield hf_name(t.name), w
 
 
-def quantize_weights(weights: dict[str, np.ndarray], bits: int, group_size: int) -> dict[str, mx.array]:
-    """Quantize 2-D matrices (Linear and embedding) like mlx_lm's quantize_model; keep norms and biases float."""
-    out: dict[str, mx.array] = {}
-    for name, w in weights.items():
-        arr = mx.array(w)
-        if w.ndim == 2 and w.shape[-1] % group_size == 0:
-            stem = name.removesuffix(".weight")
-            wq, scales, biases = mx.quantize(arr, group_size=group_size, bits=bits)
-            out[f"{stem}.weight"], out[f"{stem}.scales"], out[f"{stem}.biases"] = wq, scales, biases
-        else:
-            if w.ndim == 2:
-                logger.warning(
-                    "%s: last dim %d not a multiple of %d, kept float", name, w.shape[-1], group_size
-                )
-            out[name] = arr
-        mx.eval(out)  # one tensor at a time keeps peak memory to a single float32 matrix
+def load_float_weights(reader: GGUFReader, info: GGUFModelInfo) -> dict[str, np.ndarray]:
+    """All weights as float32 under mlx-lm names: the GGUF's own values, before any MLX quantization."""
+    return dict(iter_float_weights(reader, info))
+
+
+def quantize_weight(name: str, w: np.ndarray, bits: int, group_size: int) -> dict[str, mx.array]:
+    """Quantize a 2-D matrix (Linear or embedding) like mlx_lm's quantize_model; norms and biases stay float."""
+    if w.ndim != 2:
+        return {name: mx.array(w)}
+    if w.shape[-1] % group_size:
+        logger.warning("%s: last dim %d not a multiple of %d, kept float", name, w.shape[-1], group_size)
+        return {name: mx.array(w)}
+    stem = name.removesuffix(".weight")
+    wq, scales, biases = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
+    out = {f"{stem}.weight": wq, f"{stem}.scales": scales, f"{stem}.biases": biases}
+    mx.eval(out)  # now, so the float32 matrix can be freed before the next one is dequantized
     return out
 
 
@@ -272,17 +274,15 @@ def write_model_dir(reader: GGUFReader, tmp: Path, bits: int, group_size: int) -
     info = read_model_info(reader)
     logger.info("GGUF %s: %d layers, hidden %d", info.arch, info.num_layers, info.hidden_size)
     tok = build_tokenizer(reader)  # before the slow part, so tokenizer errors surface quickly
-    weights = load_float_weights(reader, info)
-    tied = "lm_head.weight" not in weights
-    vocab_size = weights["model.embed_tokens.weight"].shape[0]
     tok.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(build_tokenizer_config(reader), indent=2))
-    logger.info("quantizing to %d-bit affine, group %d", bits, group_size)
-    mx.save_safetensors(
-        str(tmp / "model.safetensors"),
-        quantize_weights(weights, bits, group_size),
-        metadata={"format": "mlx"},
-    )
+    logger.info("dequantizing, then quantizing to %d-bit affine, group %d", bits, group_size)
+    weights: dict[str, mx.array] = {}
+    for name, w in iter_float_weights(reader, info):
+        weights |= quantize_weight(name, w, bits, group_size)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tied = "lm_head.weight" not in weights
+    vocab_size = weights["model.embed_tokens.weight"].shape[0]  # rows survive quantization (packed columns)
     save_config(build_config(reader, info, vocab_size, tied, bits, group_size), tmp / "config.json")
 
 
@@ -295,6 +295,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, bits: int = 4, g
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         write_model_dir(reader, tmp, bits, group_size)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model directory is meant to be shared
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.replace(out_dir, old / "dir")

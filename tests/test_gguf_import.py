@@ -87,7 +87,9 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{GGUF_BLOCK[rest]}.{suffix}"
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", *, drop: str | None = None) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, arch: str = "qwen2", *, drop: str | None = None, extra: str | None = None
+) -> dict[str, np.ndarray]:
     """Write a tiny GGUF; return the float weights (after Q8_0 rounding) the import should reproduce."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
@@ -128,6 +130,8 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", *, drop: str | None = None)
         else:
             writer.add_tensor(name, stored)
         expected[hf] = w
+    if extra:
+        writer.add_tensor(extra, np.ones(HIDDEN, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -250,7 +254,7 @@ def test_llama_import_unpermutes_qk(tmp_path):
     )  # Q and K come back in HF order, not llama.cpp's
 
 
-def test_convert_replaces_existing_dir(tmp_path, converted):
+def test_convert_replaces_existing_dir(tmp_path):
     out = tmp_path / "model"
     (out / "stale").mkdir(parents=True)
     write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -283,6 +287,12 @@ def test_missing_tensor(tmp_path):
         convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
     assert not (tmp_path / "model").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["tiny.gguf"]  # temp dir cleaned up
+
+
+def test_unexpected_tensor(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf", extra="blk.0.attn_q_norm.weight")
+    with pytest.raises(GGUFError, match="attn_q_norm"):
+        convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
 
 
 def test_verify_sha256(tmp_path):
