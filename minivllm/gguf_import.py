@@ -77,6 +77,11 @@ def _field(reader: GGUFReader, key: str, default=None):
     return field.contents()
 
 
+def _f32(value: float) -> float:
+    """GGUF stores float32: 1e-6 reads back as 9.99999997e-07; keep the 7 digits float32 really holds."""
+    return float(f"{value:.7g}")
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     path = Path(path)
     with open(path, "rb") as f:
@@ -101,8 +106,8 @@ def read_model_info(reader: GGUFReader) -> GGUFModelInfo:
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         context_length=int(_field(reader, f"{arch}.context_length", 4096)),
         head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
     )
