@@ -18,7 +18,15 @@ from mlx_lm.generate import batch_generate, stream_generate
 from mlx_lm.utils import dequantize_model
 from tqdm import tqdm
 
-from benchmarks.harness import base_parser, mean_sd, metadata, parse_args, print_report, result_name, write_results
+from benchmarks.harness import (
+    base_parser,
+    mean_sd,
+    metadata,
+    parse_args,
+    print_report,
+    result_name,
+    write_results,
+)
 from minivllm import LLM, SamplingParams
 from minivllm.backend import detect_backend
 
@@ -39,8 +47,10 @@ def minivllm_prefill(llm: LLM, prompt: list[int]) -> float:
 def minivllm_decode(llm: LLM, prompts: list[list[int]], n: int) -> float:
     """Aggregate decode tok/s once every request has its first token (prefill excluded)."""
     engine = llm.engine
-    seqs = [engine.add_request(f"d{time.monotonic_ns()}-{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    seqs = [
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     while any(not s.output_token_ids for s in seqs):
         engine.step()
     start, done = time.perf_counter(), sum(len(s.output_token_ids) for s in seqs)
@@ -74,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="minivllm's KV pool (counted in its peak memory)")
+    p.add_argument(
+        "--kv-cache-mib", type=int, default=256, help="minivllm's KV pool (counted in its peak memory)"
+    )
     args = parse_args(p, argv)
     decode_n = 16 if args.quick else args.decode_tokens
     model_dir = str(args.model)
@@ -111,16 +123,39 @@ def main(argv: list[str] | None = None) -> None:
         "decode8": "decode tok/s, 8 concurrent (aggregate)",
     }
     rows = [
-        {"metric": labels[k], "minivllm": f"{ours[k][0]:.1f} ± {ours[k][1]:.1f}",
-         "mlx-lm": f"{theirs[k][0]:.1f} ± {theirs[k][1]:.1f}", "minivllm / mlx-lm": f"{ours[k][0] / theirs[k][0]:.2f}x"}
+        {
+            "metric": labels[k],
+            "minivllm": f"{ours[k][0]:.1f} ± {ours[k][1]:.1f}",
+            "mlx-lm": f"{theirs[k][0]:.1f} ± {theirs[k][1]:.1f}",
+            "minivllm / mlx-lm": f"{ours[k][0] / theirs[k][0]:.2f}x",
+        }
         for k in labels
     ]
-    rows.append({"metric": "peak memory GiB", "minivllm": f"{ours_peak:.2f}", "mlx-lm": f"{theirs_peak:.2f}",
-                 "minivllm / mlx-lm": f"{ours_peak / theirs_peak:.2f}x"})
-    rows.append({"metric": "minivllm batch-8 / batch-1 decode", "minivllm": f"{ours['decode8'][0] / ours['decode1'][0]:.2f}x",
-                 "mlx-lm": f"{theirs['decode8'][0] / theirs['decode1'][0]:.2f}x", "minivllm / mlx-lm": ""})
-    meta = metadata(args.model, page_size=16, backend=detect_backend().name, blas=detect_backend().blas,
-                    runs=args.runs, decode_tokens=decode_n, kv_cache_mib=args.kv_cache_mib)
+    rows.append(
+        {
+            "metric": "peak memory GiB",
+            "minivllm": f"{ours_peak:.2f}",
+            "mlx-lm": f"{theirs_peak:.2f}",
+            "minivllm / mlx-lm": f"{ours_peak / theirs_peak:.2f}x",
+        }
+    )
+    rows.append(
+        {
+            "metric": "minivllm batch-8 / batch-1 decode",
+            "minivllm": f"{ours['decode8'][0] / ours['decode1'][0]:.2f}x",
+            "mlx-lm": f"{theirs['decode8'][0] / theirs['decode1'][0]:.2f}x",
+            "minivllm / mlx-lm": "",
+        }
+    )
+    meta = metadata(
+        args.model,
+        page_size=16,
+        backend=detect_backend().name,
+        blas=detect_backend().blas,
+        runs=args.runs,
+        decode_tokens=decode_n,
+        kv_cache_mib=args.kv_cache_mib,
+    )
     print_report(write_results(result_name("throughput", args), rows, meta, out_dir=args.out))
 
 

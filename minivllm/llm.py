@@ -8,6 +8,7 @@ from tqdm import tqdm
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import TokenLogprob
 
 
 @dataclass
@@ -18,6 +19,7 @@ class Completion:
     text: str
     finish_reason: str
     num_cached_tokens: int
+    logprobs: list[TokenLogprob]
 
 
 class LLM:
@@ -49,6 +51,7 @@ class LLM:
                 text=self.tokenizer.decode(s.output_token_ids),
                 finish_reason=s.finish_reason,
                 num_cached_tokens=s.num_cached_tokens,
+                logprobs=s.logprobs,
             )
             for s in seqs
         ]

@@ -9,7 +9,7 @@ import numpy as np
 
 from kernels.paged_attention import build_layout
 from minivllm.models.qwen2 import KVPools, forward
-from minivllm.sampler import sample
+from minivllm.sampler import log_softmax, sample
 from minivllm.sequence import Sequence, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -84,41 +84,50 @@ class ModelRunner:
             mx.eval(self.kv.keys, self.kv.values)
             return outputs
         chosen = [seqs[i] for i in sampling]
-        tokens, logprobs = sample(
+        tokens = sample(
             logits,
             [s.params for s in chosen],
             [s.seed for s in chosen],
             [len(s.token_ids) for s in chosen],
         )
-        want_logprobs = [s.params.logprobs is not None for s in chosen]
-        extra = self._logprob_graph(tokens, logprobs, chosen) if any(want_logprobs) else ()
+        want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
+        extra = self._logprob_graph(tokens, logits, want, chosen) if want else ()
         mx.eval(tokens, *extra, self.kv.keys, self.kv.values)  # the step's one evaluation
         token_list = tokens.tolist()
-        details = self._logprob_values(extra, token_list, chosen) if extra else [None] * len(chosen)
+        details = self._logprob_values(extra, token_list, want, chosen)
         for row, i in enumerate(sampling):
             outputs[i] = StepOutput(token_list[row], details[row])
         return outputs
 
     @staticmethod
-    def _logprob_graph(tokens: mx.array, logprobs: mx.array, chosen: list[Sequence]):
-        k = max(s.params.logprobs or 0 for s in chosen)
-        picked = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    def _logprob_graph(tokens: mx.array, logits: mx.array, want: list[int], chosen: list[Sequence]):
+        """Log-probabilities of the sampled tokens and the top alternatives, for the rows that asked."""
+        rows = mx.array(want)
+        logprobs = log_softmax(logits[rows].astype(mx.float32))
+        picked = mx.take_along_axis(logprobs, tokens[rows][:, None], axis=-1)[:, 0]
+        k = max(chosen[r].params.logprobs for r in want)
         if k == 0:
             return (picked,)
-        top_ids = mx.argsort(-logprobs, axis=-1)[:, :k]
-        return picked, top_ids, mx.take_along_axis(logprobs, top_ids, axis=-1)
+        top_ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+        top_lps = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        order = mx.argsort(-top_lps, axis=-1)
+        return (
+            picked,
+            mx.take_along_axis(top_ids, order, axis=-1),
+            mx.take_along_axis(top_lps, order, axis=-1),
+        )
 
     @staticmethod
-    def _logprob_values(extra, tokens: list[int], chosen: list[Sequence]) -> list[TokenLogprob | None]:
+    def _logprob_values(
+        extra, tokens: list[int], want: list[int], chosen: list[Sequence]
+    ) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(chosen)
+        if not extra:
+            return out
         picked = extra[0].tolist()
-        top_ids = extra[1].tolist() if len(extra) > 1 else None
-        top_lps = extra[2].tolist() if len(extra) > 1 else None
-        out: list[TokenLogprob | None] = []
-        for row, seq in enumerate(chosen):
-            k = seq.params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k else []
-            out.append(TokenLogprob(tokens[row], picked[row], top))
+        top_ids, top_lps = (extra[1].tolist(), extra[2].tolist()) if len(extra) > 1 else (None, None)
+        for i, row in enumerate(want):
+            k = chosen[row].params.logprobs
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else []
+            out[row] = TokenLogprob(tokens[row], picked[i], top)
         return out

@@ -20,3 +20,19 @@ def test_default_model_dir():
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.encode("<|im_start|>system") == [151644, 8948]
     assert tok.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_default_model_answers_like_mlx_lm():
+    """minivllm's greedy answer on the default model equals mlx-lm's, token for token (same dir, float32)."""
+    from minivllm import LLM, SamplingParams
+    from tests.reference import MlxLmReference
+
+    llm = LLM(None, kv_cache_bytes=64 << 20)  # None: the offline default model
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function to reverse a string."}],
+        add_generation_prompt=True,
+    )
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=16))
+    assert out.token_ids == MlxLmReference(default_model_dir()).greedy(prompt, 16)
+    assert "reverse" in out.text.lower()

@@ -182,3 +182,18 @@ def _config(model_dir, **kw):
     from minivllm import EngineConfig
 
     return EngineConfig(model=str(model_dir), **kw)
+
+
+def test_logprobs_of_greedy_tokens_and_alternatives(tiny_model_dir, reference):
+    import mlx.core as mx
+
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20)
+    prompt = random_prompts([10], seed=8)[0]
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=4, ignore_eos=True))
+    first = out.logprobs[0]
+    logits = reference.model(mx.array(prompt)[None])[0, -1].astype(mx.float32)
+    expected = (logits - mx.logsumexp(logits)).tolist()
+    assert first.token_id == out.token_ids[0] and abs(first.logprob - expected[first.token_id]) < 1e-4
+    assert [t for t, _ in first.top] == sorted(range(len(expected)), key=lambda t: -expected[t])[:4]
+    assert first.top[0][0] == first.token_id  # greedy picks the most likely token
+    assert len(out.logprobs) == 3
