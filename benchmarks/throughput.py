@@ -7,8 +7,10 @@ minivllm runs through its synchronous engine; mlx-lm through `stream_generate` (
 directory, with OpenBLAS loaded. Rates exclude model loading; decode rates exclude prefill.
 """
 
-import minivllm  # noqa: F401  (OpenBLAS before mlx)
 
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
 import time
 
 import mlx.core as mx

@@ -1,3 +1,6 @@
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
 import pytest
 
 from tests.tiny_model import make_tiny_model

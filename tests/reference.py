@@ -1,12 +1,14 @@
 """Greedy reference outputs from mlx-lm itself (float32, as minivllm runs on the CPU), for parity tests."""
 
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
 import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import dequantize_model
 
-import minivllm  # noqa: F401  (OpenBLAS before mlx)
 
 
 class MlxLmReference:
