@@ -7,7 +7,6 @@ minivllm runs through its synchronous engine; mlx-lm through `stream_generate` (
 directory, with OpenBLAS loaded. Rates exclude model loading; decode rates exclude prefill.
 """
 
-
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 
 # isort: split

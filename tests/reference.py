@@ -10,7 +10,6 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import dequantize_model
 
 
-
 class MlxLmReference:
     def __init__(self, model_dir):
         self.model, self.tokenizer = mlx_lm.load(str(model_dir))
