@@ -1,0 +1,66 @@
+"""The command line and model references: generate, convert, replay; .gguf files and repo ids."""
+
+import json
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.cli import main
+from minivllm.loader import resolve_model
+from tests.test_gguf_import import write_tiny_gguf
+
+
+def test_generate_streams_text(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hello", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_rejects_bad_input(tiny_model_dir, capsys):
+    assert main(["generate", "--model", "/no/such/model", "--prompt", "hi"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_convert_then_serve_a_gguf_file(tmp_path, monkeypatch, capsys):
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    assert main(["convert", str(gguf_path), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "config.json").is_file()
+    # a .gguf reference converts once into the cache, then loads like a directory
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(str(gguf_path), kv_cache_bytes=1 << 20)
+    (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
+    assert resolve_model(str(gguf_path)) == resolve_model(str(gguf_path))  # converted once, reused
+
+
+def test_convert_rejects_what_is_not_gguf(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    assert main(["convert", str(bad), str(tmp_path / "out")]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_repo_ids_go_to_the_hub_client_and_missing_paths_fail_early():
+    assert (
+        resolve_model("mlx-community/Qwen2.5-0.5B-Instruct-4bit")
+        == "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    )
+    for ref in ("./missing-dir", "/abs/missing", "missing.gguf"):
+        with pytest.raises(FileNotFoundError):
+            resolve_model(ref)
+
+
+def test_replay_subcommand(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"hash_ids": [1, 2], "input_length": 1000}\n{"hash_ids": [1, 2, 3], "input_length": 1200}\n'
+    )
+    assert main(["replay", str(trace), "--policy", "lru", "--capacity", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["hit_tokens"] == 2 * 512 and result["total_tokens"] == 2200
+
+
+def test_unknown_command(capsys):
+    assert main(["frobnicate"]) == 2
