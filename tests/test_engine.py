@@ -197,3 +197,14 @@ def test_logprobs_of_greedy_tokens_and_alternatives(tiny_model_dir, reference):
     assert [t for t, _ in first.top] == sorted(range(len(expected)), key=lambda t: -expected[t])[:4]
     assert first.top[0][0] == first.token_id  # greedy picks the most likely token
     assert len(out.logprobs) == 3
+
+
+def test_4bit_checkpoint_matches_mlx_lm(tiny_model_dir, tmp_path):
+    """A quantized directory: dequantized to float32 on the CPU, kept 4-bit on a GPU; mlx-lm does the same."""
+    from tests.tiny_model import make_tiny_4bit_model
+
+    q4 = make_tiny_4bit_model(tiny_model_dir, tmp_path / "q4")
+    llm = LLM(str(q4), kv_cache_bytes=4 << 20)
+    prompts = random_prompts([5, 40], seed=9)
+    reference = MlxLmReference(q4)
+    assert run_all(llm, prompts, 12) == [reference.greedy(p, 12) for p in prompts]

@@ -83,3 +83,17 @@ def make_tiny_model(
     params = {k: v * 4.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), params)
     return path
+
+
+def make_tiny_4bit_model(src: str | Path, dst: str | Path) -> Path:
+    """A 4-bit (affine, group 32) copy of a tiny model, the way mlx-lm quantizes checkpoints."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    src, dst = Path(src), Path(dst)
+    model, config = load_model(src)
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    save_model(dst, model)
+    save_config(config, dst / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
