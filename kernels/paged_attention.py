@@ -19,6 +19,7 @@ import numpy as np
 
 @dataclass
 class AttentionLayout:
+    starts: mx.array  # [B] position of each sequence's first new token (the rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
     context_slots: mx.array  # [B, Lmax] pool slots of each sequence's context (padding: slot 0)
     query_index: mx.array  # [B, Qmax] flat token index of each padded query (padding: 0)
@@ -50,6 +51,7 @@ def build_layout(
         mask[b, 0, :n, :length] = positions[None, :] <= (start + np.arange(n))[:, None]
         t += n
     return AttentionLayout(
+        starts=mx.array(np.asarray(starts, dtype=np.int32)),
         slot_mapping=mx.array(np.concatenate(slot_mapping)),
         context_slots=mx.array(context_slots),
         query_index=mx.array(query_index),
@@ -68,17 +70,25 @@ def write_kv(pool: mx.array, slots: mx.array, values: mx.array) -> None:
     pool[slots] = values.astype(pool.dtype)
 
 
+def to_padded(x: mx.array, layout: AttentionLayout) -> mx.array:
+    """Flat [T, heads, D] -> padded [B, heads, Qmax, D]: each sequence's new tokens in a row."""
+    return x[layout.query_index].transpose(0, 2, 1, 3)
+
+
+def to_flat(x: mx.array, layout: AttentionLayout) -> mx.array:
+    """Padded [B, heads, Qmax, D] -> flat [T, heads, D]."""
+    B, heads, qmax, head_dim = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B * qmax, heads, head_dim)[layout.flat_index]
+
+
 def paged_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: AttentionLayout, scale: float
+    queries: mx.array, k_pool: mx.array, v_pool: mx.array, layout: AttentionLayout, scale: float
 ) -> mx.array:
-    """q: [T, n_heads, head_dim] (new tokens, already written to the pools) -> [T, n_heads, head_dim]."""
-    T, n_heads, head_dim = q.shape
-    B, qmax = layout.query_index.shape
-    queries = q[layout.query_index].transpose(0, 2, 1, 3)  # [B, H, Qmax, D]
+    """queries: padded [B, n_heads, Qmax, D] of the new tokens, whose K/V are already in the pools.
+    Returns flat [T, n_heads, D]."""
     keys = k_pool[layout.context_slots].transpose(0, 2, 1, 3)  # [B, Hkv, Lmax, D]
     values = v_pool[layout.context_slots].transpose(0, 2, 1, 3)
     out = mx.fast.scaled_dot_product_attention(
-        queries, keys.astype(q.dtype), values.astype(q.dtype), scale=scale, mask=layout.mask
+        queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=layout.mask
     )
-    out = out.transpose(0, 2, 1, 3).reshape(B * qmax, n_heads, head_dim)
-    return out[layout.flat_index]
+    return to_flat(out, layout)

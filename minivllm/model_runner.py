@@ -52,11 +52,9 @@ class ModelRunner:
         mx.eval(self.kv.keys, self.kv.values)
 
     def step(self, seqs: list[Sequence], num_tokens: list[int]) -> list[StepOutput]:
-        input_ids, positions = [], []
+        input_ids = []
         for seq, n in zip(seqs, num_tokens):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
+            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
         layout = build_layout(
             [s.page_table for s in seqs], [s.num_computed_tokens for s in seqs], num_tokens, self.page_size
         )
@@ -75,7 +73,6 @@ class ModelRunner:
         logits = forward(
             self.model,
             mx.array(input_ids),
-            mx.array(positions, dtype=mx.int32),
             self.kv,
             layout,
             logits_index,

@@ -2,8 +2,8 @@
 
 The modules and weights are mlx-lm's own (loaded by `mlx_lm.load`, so every checkpoint layout, 4-bit
 quantization and rope scaling it supports works here); this file only replaces the forward pass:
-tokens of all sequences are flat [T], each with its own position, and attention goes through
-kernels.paged_attention.
+tokens of all sequences are flat [T] through the linear layers; attention gathers them per sequence
+and goes through kernels.paged_attention.
 """
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.paged_attention import AttentionLayout, paged_attention, write_kv
+from kernels.paged_attention import AttentionLayout, paged_attention, to_flat, to_padded, write_kv
 
 
 @dataclass
@@ -20,24 +20,22 @@ class KVPools:
     values: list[mx.array]
 
 
-def attention(
-    attn: nn.Module, x: mx.array, positions: mx.array, kv: KVPools, layer: int, layout: AttentionLayout
-):
+def attention(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout: AttentionLayout) -> mx.array:
     T = x.shape[0]
-    # rope treats axis 0 as the batch with one offset per entry: [T, heads, 1, D] gives each token its position
-    q = attn.rope(attn.q_proj(x).reshape(T, attn.n_heads, 1, -1), offset=positions)
-    k = attn.rope(attn.k_proj(x).reshape(T, attn.n_kv_heads, 1, -1), offset=positions)
+    # rope on the padded [B, heads, Qmax, D] grid with one offset per sequence (its new tokens are
+    # consecutive positions): the batched form mlx-lm uses, which every backend supports
+    q = attn.rope(to_padded(attn.q_proj(x).reshape(T, attn.n_heads, -1), layout), offset=layout.starts)
+    k = attn.rope(to_padded(attn.k_proj(x).reshape(T, attn.n_kv_heads, -1), layout), offset=layout.starts)
     v = attn.v_proj(x).reshape(T, attn.n_kv_heads, -1)
-    write_kv(kv.keys[layer], layout.slot_mapping, k.squeeze(2))
+    write_kv(kv.keys[layer], layout.slot_mapping, to_flat(k, layout))
     write_kv(kv.values[layer], layout.slot_mapping, v)
-    out = paged_attention(q.squeeze(2), kv.keys[layer], kv.values[layer], layout, attn.scale)
+    out = paged_attention(q, kv.keys[layer], kv.values[layer], layout, attn.scale)
     return attn.o_proj(out.reshape(T, -1))
 
 
 def forward(
     model: nn.Module,
     input_ids: mx.array,
-    positions: mx.array,
     kv: KVPools,
     layout: AttentionLayout,
     logits_index: mx.array,
@@ -46,7 +44,7 @@ def forward(
     body = model.model
     h = body.embed_tokens(input_ids)
     for i, block in enumerate(body.layers):
-        h = h + attention(block.self_attn, block.input_layernorm(h), positions, kv, i, layout)
+        h = h + attention(block.self_attn, block.input_layernorm(h), kv, i, layout)
         h = h + block.mlp(block.post_attention_layernorm(h))
     h = body.norm(h[logits_index])
     if getattr(model, "lm_head", None) is not None:
