@@ -82,30 +82,84 @@ def _engine(name: str, env: str, type_, parse, help_: str, engine_field: str | N
 
 
 OPTIONS: tuple[Option, ...] = (
-    _engine("model", "MINIVLLM_MODEL", str | None, str.strip,
-            "model directory, .gguf file or Hugging Face repo id (default: the offline default model)"),
-    Option("model_name", "MINIVLLM_MODEL_NAME", str | None, str.strip, None,
-           f"served model id (default: the model's basename, or {DEFAULT_MODEL_NAME} for the default model)"),
+    _engine(
+        "model",
+        "MINIVLLM_MODEL",
+        str | None,
+        str.strip,
+        "model directory, .gguf file or Hugging Face repo id (default: the offline default model)",
+    ),
+    Option(
+        "model_name",
+        "MINIVLLM_MODEL_NAME",
+        str | None,
+        str.strip,
+        None,
+        f"served model id (default: the model's basename, or {DEFAULT_MODEL_NAME} for the default model)",
+    ),
     _engine("page_size", "MINIVLLM_PAGE_SIZE", int, _parse_int, "tokens per KV page"),
-    _engine("kv_cache_bytes", "MINIVLLM_KV_CACHE_BYTES", int | None, _parse_bytes,
-            "KV pool size in bytes, K/M/G suffixes allowed (default: 10%% of memory, at most 2 GiB)"),
+    _engine(
+        "kv_cache_bytes",
+        "MINIVLLM_KV_CACHE_BYTES",
+        int | None,
+        _parse_bytes,
+        "KV pool size in bytes, K/M/G suffixes allowed (default: 10%% of memory, at most 2 GiB)",
+    ),
     _engine("max_num_seqs", "MINIVLLM_MAX_NUM_SEQS", int, _parse_int, "most requests running at once"),
-    _engine("max_num_batched_tokens", "MINIVLLM_MAX_NUM_BATCHED_TOKENS", int, _parse_int,
-            "token budget per step (prefill chunks and decode tokens)"),
-    _engine("max_model_len", "MINIVLLM_MAX_MODEL_LEN", int | None, _parse_int,
-            "context length, prompt plus output (default: the model's)"),
-    _engine("max_waiting", "MINIVLLM_MAX_WAITING", int, _parse_int,
-            "waiting-queue bound; requests past it get HTTP 429"),
-    _engine("prefix_cache", "MINIVLLM_PREFIX_CACHE", bool, _parse_bool, "reuse cached KV of shared prompt prefixes",
-            "enable_prefix_caching"),
+    _engine(
+        "max_num_batched_tokens",
+        "MINIVLLM_MAX_NUM_BATCHED_TOKENS",
+        int,
+        _parse_int,
+        "token budget per step (prefill chunks and decode tokens)",
+    ),
+    _engine(
+        "max_model_len",
+        "MINIVLLM_MAX_MODEL_LEN",
+        int | None,
+        _parse_int,
+        "context length, prompt plus output (default: the model's)",
+    ),
+    _engine(
+        "max_waiting",
+        "MINIVLLM_MAX_WAITING",
+        int,
+        _parse_int,
+        "waiting-queue bound; requests past it get HTTP 429",
+    ),
+    _engine(
+        "prefix_cache",
+        "MINIVLLM_PREFIX_CACHE",
+        bool,
+        _parse_bool,
+        "reuse cached KV of shared prompt prefixes",
+        "enable_prefix_caching",
+    ),
     _engine("eviction", "MINIVLLM_EVICTION", str, _choice(EVICTION_POLICIES), "prefix-cache eviction policy"),
-    _engine("publication", "MINIVLLM_PUBLICATION", str, _choice(PUBLICATION_MODES),
-            "when full KV pages become reusable"),
-    Option("single_flight", "MINIVLLM_SINGLE_FLIGHT", str | None, _choice(SINGLE_FLIGHT_MODES), None,
-           "coalesce concurrent identical prefixes (default: after_prefill, or off without the prefix cache)",
-           "single_flight"),
-    Option("api_key", "MINIVLLM_API_KEY", str | None, str.strip, None,
-           "require this bearer key on /v1 routes (default: no auth)"),
+    _engine(
+        "publication",
+        "MINIVLLM_PUBLICATION",
+        str,
+        _choice(PUBLICATION_MODES),
+        "when full KV pages become reusable",
+    ),
+    Option(
+        "single_flight",
+        "MINIVLLM_SINGLE_FLIGHT",
+        str | None,
+        _choice(SINGLE_FLIGHT_MODES),
+        None,
+        "coalesce concurrent identical prefixes (default: after_prefill, or off without the prefix cache)",
+        "single_flight",
+    ),
+    Option(
+        "api_key",
+        "MINIVLLM_API_KEY",
+        str | None,
+        str.strip,
+        None,
+        "require this bearer key on /v1 routes (default: no auth)",
+    ),
     Option("log_level", "MINIVLLM_LOG_LEVEL", str, _choice(LOG_LEVELS), "info", "log level"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -175,8 +229,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group = parser.add_argument_group("engine and server settings")
     for o in OPTIONS:
         default = "" if o.default is None else f"; default {o.default}"
-        group.add_argument(o.flag, dest=o.name, default=None, metavar=o.name.upper(),
-                           help=f"{o.help} [env {o.env}{default}]")
+        group.add_argument(
+            o.flag, dest=o.name, default=None, metavar=o.name.upper(), help=f"{o.help} [env {o.env}{default}]"
+        )
     return parser
 
 
@@ -207,7 +262,9 @@ def serve_main(argv: list[str] | None = None) -> int:
 
     from server.app import create_app
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
     return 0
 
