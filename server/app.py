@@ -22,7 +22,7 @@ from server.completions import (
     completion_prompts,
     generate,
 )
-from server.errors import error_response, install_error_handlers
+from server.errors import APIError, error_response, install_error_handlers
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
         eng = engine or await asyncio.to_thread(AsyncEngine, settings.engine_config())
-        owned = eng._thread is None
+        owned = not _engine_running(eng)
         if owned:
             eng.start()
         metrics.bind_engine(eng)
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
             yield
         finally:
             if owned:
-                await asyncio.to_thread(eng.shutdown)
+                eng.shutdown()  # on the loop thread: it ends the open streams (asyncio queues are not thread-safe)
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.add_middleware(GatewayMiddleware, metrics=metrics)
@@ -67,6 +67,10 @@ def _state(settings: Settings, engine: AsyncEngine, metrics: Metrics) -> ServerS
     return ServerState(settings, engine, metrics, settings.served_model_name, token_text)
 
 
+def _engine_running(engine: AsyncEngine) -> bool:
+    return engine._thread is not None and engine._thread.is_alive()
+
+
 def _configure_logging(level: str) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("minivllm", "server"):
@@ -76,8 +80,7 @@ def _configure_logging(level: str) -> None:
 def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.get("/health")
     async def health(request: Request):
-        eng: AsyncEngine = request.app.state.server.engine
-        if eng._thread is None or not eng._thread.is_alive():
+        if not _engine_running(request.app.state.server.engine):
             return error_response(503, "engine is not running")
         return {"status": "ok"}
 
@@ -104,6 +107,8 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     async def completions(body: p.CompletionRequest, request: Request):
         st: ServerState = request.app.state.server
         st.check_model(body.model)
+        if body.echo or body.suffix:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
         prompts = completion_prompts(st.engine.tokenizer, body.prompt)
         fmt = CompletionFormat(st.token_text, body.logprobs is not None)
         return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
