@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minivllm.async_engine import AsyncEngine
 from minivllm.engine import QueueFull, RequestOutput
@@ -85,7 +85,7 @@ class Choice:
     params: SamplingParams
     stops: list[str]
     first_of_prompt: bool  # counts the prompt in usage (the other n-1 choices share it)
-    started: asyncio.Future = field(default=None)  # first output, or the refusal
+    started: asyncio.Future | None = None  # resolved by the first output, or failed by the refusal
     last: RequestOutput | None = None
     done: bool = False  # its last delta is out
 
