@@ -1,0 +1,305 @@
+"""The endpoint logic shared by /v1/chat/completions and /v1/completions.
+
+Chat templates its messages into token ids, completions tokenizes its prompt(s); from there both take the
+same path: sampling params -> Generation -> a JSON response or an SSE stream, formatted by ChatFormat or
+CompletionFormat.
+"""
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.async_engine import AsyncEngine
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import TokenLogprob
+from server import protocol as p
+from server.errors import APIError, ClientDisconnected, error_body
+from server.generation import Delta, Generation
+from server.metrics import Metrics
+from server.settings import Settings
+
+MAX_CHOICES = 64
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    engine: AsyncEngine
+    metrics: Metrics
+    model_name: str
+    token_text: Callable[[int], str]  # one token's text, for logprobs
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+
+# -- prompts ----------------------------------------------------------------------------------------------
+def chat_prompt(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # no template, or one that rejects these messages
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def completion_prompts(tokenizer, prompt) -> list[list[int]]:
+    """A string, a list of token ids, or a list of either (several prompts)."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt or isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompt]
+
+
+def sampling_params(
+    body: p.GenerationRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    first_index: int,
+) -> list[SamplingParams]:
+    """The n choices' params for one prompt; choice i of the request gets seed + i."""
+    room = max_model_len - prompt_len
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        return [
+            SamplingParams(
+                max_tokens=max_tokens or max(room, 1),  # an over-long prompt is the engine's to refuse
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                seed=None if body.seed is None else body.seed + first_index + j,
+                stop_token_ids=list(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+            for j in range(body.n)
+        ]
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+# -- formats ----------------------------------------------------------------------------------------------
+class ChatFormat:
+    id_prefix = "chatcmpl"
+
+    def __init__(self, token_text: Callable[[int], str], logprobs: bool):
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self._role_sent: set[int] = set()
+
+    def response(
+        self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict
+    ) -> p.ChatCompletionResponse:
+        choices = [
+            p.ChatChoice(
+                index=i,
+                message=p.ChatResponseMessage(content="".join(d.text for d in deltas)),
+                logprobs=self._logprobs([lp for d in deltas for lp in d.logprobs]),
+                finish_reason=deltas[-1].finish_reason,
+            )
+            for i, deltas in enumerate(per_choice)
+        ]
+        return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage)
+
+    def chunk(self, rid: str, model: str, d: Delta) -> p.ChatCompletionChunk:
+        role = None if d.index in self._role_sent else "assistant"
+        self._role_sent.add(d.index)
+        choice = p.ChatChunkChoice(
+            index=d.index,
+            delta=p.ChatDelta(role=role, content=d.text),
+            logprobs=self._logprobs(d.logprobs),
+            finish_reason=d.finish_reason,
+        )
+        return p.ChatCompletionChunk(id=rid, model=model, choices=[choice])
+
+    def usage_chunk(self, rid: str, model: str, usage: dict) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage)
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> p.ChatLogprobs | None:
+        if not self.logprobs:
+            return None
+        return p.ChatLogprobs(
+            content=[
+                p.ChatTokenLogprob(
+                    **self._top(lp.token_id, lp.logprob),
+                    top_logprobs=[p.TopLogprob(**self._top(t, v)) for t, v in lp.top],
+                )
+                for lp in lps
+            ]
+        )
+
+    def _top(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+class CompletionFormat:
+    id_prefix = "cmpl"
+
+    def __init__(self, token_text: Callable[[int], str], logprobs: bool):
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self._offsets: dict[int, int] = {}  # text offset of each choice's next token
+
+    def response(
+        self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict
+    ) -> p.CompletionResponse:
+        choices = [self._choice(i, deltas) for i, deltas in enumerate(per_choice)]
+        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
+
+    def _choice(self, index: int, deltas: list[Delta]) -> p.CompletionChoice:
+        return p.CompletionChoice(
+            index=index,
+            text="".join(d.text for d in deltas),
+            logprobs=self._logprobs(index, [lp for d in deltas for lp in d.logprobs]),
+            finish_reason=deltas[-1].finish_reason,
+        )
+
+    def chunk(self, rid: str, model: str, d: Delta) -> p.CompletionResponse:
+        return p.CompletionResponse(id=rid, model=model, choices=[self._choice(d.index, [d])])
+
+    def usage_chunk(self, rid: str, model: str, usage: dict) -> p.CompletionResponse:
+        return p.CompletionResponse(id=rid, model=model, choices=[], usage=usage)
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> p.CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        out = p.CompletionLogprobs()
+        offset = self._offsets.get(index, 0)
+        for lp in lps:
+            token = self.token_text(lp.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.token_text(t): v for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(token)
+        self._offsets[index] = offset
+        return out
+
+
+Format = ChatFormat | CompletionFormat
+
+
+# -- the shared path ----------------------------------------------------------------------------------------
+async def generate(
+    request: Request,
+    state: ServerState,
+    fmt: Format,
+    body: p.GenerationRequest,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> Response:
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n")
+    params, first = [], 0
+    for prompt in prompts:
+        params.append(sampling_params(body, max_tokens, logprobs, len(prompt), state.max_model_len, first))
+        first += body.n
+    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    gen = Generation(state.engine, rid, prompts, params, body.stop, state.metrics)
+    streaming = False
+    try:
+        await until_disconnect(request, gen.start)
+        if body.stream:
+            streaming = True  # from here the response closes gen
+            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, body.include_usage))
+        per_choice = await until_disconnect(request, gen.collect)
+        return JSONResponse(fmt.response(rid, state.model_name, per_choice, gen.usage()).model_dump())
+    finally:
+        if not streaming:
+            gen.close()
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that closes its generation however it ends: finished, failed, never started, or the
+    client gone (watched here too: under ASGI spec 2.4 Starlette only notices on a failed send)."""
+
+    def __init__(self, gen: Generation, events: AsyncIterator[str]):
+        super().__init__(events, media_type="text/event-stream")
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(lambda t: t.cancelled() or self.gen.close())
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            watcher.cancel()
+            self.gen.close()
+
+
+async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body; if the client goes away, the generation is closed and this ends."""
+    try:
+        async for d in gen.deltas():
+            if d.error:
+                yield _data(error_body(503 if d.finish_reason == "abort" else 500, d.error))
+                break
+            if d.text or d.finish_reason or (fmt.logprobs and d.logprobs):
+                yield _data(fmt.chunk(rid, model, d))
+        else:
+            if gen.closed:
+                return  # the client is gone
+            if include_usage:
+                yield _data(fmt.usage_chunk(rid, model, gen.usage()))
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.close()
+
+
+def _data(payload) -> str:
+    text = (
+        payload.model_dump_json(exclude_none=True)
+        if hasattr(payload, "model_dump_json")
+        else json.dumps(payload)
+    )
+    return f"data: {text}\n\n"
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable]):
+    """Run work() until done, or until the client disconnects (then cancel it, raise ClientDisconnected)."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(receive) -> None:
+    """Return when the client disconnects (the request body has been read, so receive() waits for that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

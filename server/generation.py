@@ -1,0 +1,236 @@
+"""One API request's generation: n engine requests, detokenized, cut at stop strings, merged into one
+stream of deltas that chat and completions format their own way.
+
+Each choice runs in its own task, consuming `AsyncEngine.generate`; closing a Generation cancels the tasks,
+which closes the engine iterators and so aborts the requests and frees their pages.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from minivllm.async_engine import AsyncEngine
+from minivllm.engine import QueueFull, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import TokenLogprob
+from server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class TextStream:
+    """Incremental detokenization that releases text only once it cannot be the start of a stop string,
+    so a stop string split across tokens never leaks into the output."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detokenizer = tokenizer.detokenizer
+        self.stops = stops
+        self.longest_stop = max((len(s) for s in stops), default=0)
+        self.text = ""  # everything decoded so far
+        self.sent = 0  # text[:sent] has been released
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        for t in token_ids:
+            self.detokenizer.add_token(t)
+        self.text += self.detokenizer.last_segment
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        self.detokenizer.finalize()
+        self.text += self.detokenizer.last_segment
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        # text held back earlier always covers the start of any stop string, so search from `sent`
+        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            end = min(hits)
+        else:
+            end = len(self.text) if final else len(self.text) - self._held_back()
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest unsent suffix that is a proper prefix of a stop string."""
+        tail = self.text[self.sent :]
+        for k in range(min(len(tail), self.longest_stop - 1), 0, -1):
+            if any(s.startswith(tail[-k:]) for s in self.stops):
+                return k
+        return 0
+
+
+@dataclass
+class Delta:
+    """New output of one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stops: list[str]
+    first_of_prompt: bool  # counts the prompt in usage (the other n-1 choices share it)
+    started: asyncio.Future | None = None  # resolved by the first output, or failed by the refusal
+    last: RequestOutput | None = None
+    done: bool = False  # its last delta is out
+
+    def to_delta(self, out: RequestOutput, text: TextStream) -> Delta:
+        tokens, logprobs = out.new_token_ids, out.new_logprobs
+        if out.finish_reason == "stop" and tokens:  # the EOS / stop token: not part of the text
+            logprobs = logprobs[: len(tokens) - 1]
+            tokens = tokens[:-1]
+        piece = text.add(tokens)
+        if out.finished:
+            piece += text.finish()
+        reason = "stop" if text.stopped else out.finish_reason if out.finished else None
+        error = None
+        if reason in ("error", "abort"):
+            error = out.error or ("request aborted" if reason == "abort" else "request failed")
+        self.done = reason is not None
+        return Delta(self.index, piece, tokens, logprobs, reason, error)
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[list[SamplingParams]],
+        stops: list[str],
+        metrics=None,
+    ):
+        """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major."""
+        self.engine = engine
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.choices: list[Choice] = []
+        for prompt, plist in zip(prompts, params, strict=True):
+            for j, p in enumerate(plist):
+                i = len(self.choices)
+                self.choices.append(Choice(i, f"{request_id}-{i}", prompt, p, stops, j == 0))
+        self.events: asyncio.Queue[Delta | None] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Submit every choice; return once each has its first output. Raises APIError if one is refused."""
+        loop = asyncio.get_running_loop()
+        for c in self.choices:
+            c.started = loop.create_future()
+            self.tasks.append(asyncio.create_task(self._run(c)))
+        results = await asyncio.gather(*(c.started for c in self.choices), return_exceptions=True)
+        refused = next((r for r in results if isinstance(r, BaseException)), None)
+        if refused is not None:
+            self.close()
+            raise _api_error(refused)
+
+    def close(self) -> None:
+        """Abort what still runs (synchronous, so it is safe in any finally, even under cancellation)."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        self.events.put_nowait(None)  # wakes a consumer of deltas(): nothing more will come
+        self._record_metrics()
+
+    # -- output ---------------------------------------------------------------------------------------
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Every choice's deltas, as they come, until all have finished (or the generation is closed)."""
+        remaining = len(self.choices)
+        while remaining:
+            delta = await self.events.get()
+            if delta is None:
+                return
+            remaining -= delta.finish_reason is not None
+            yield delta
+
+    async def collect(self) -> list[list[Delta]]:
+        """Wait for the whole output: the deltas of each choice. Raises APIError if one failed."""
+        per_choice: list[list[Delta]] = [[] for _ in self.choices]
+        async for d in self.deltas():
+            if d.error:
+                raise APIError(503 if d.finish_reason == "abort" else 500, d.error)
+            per_choice[d.index].append(d)
+        if self.closed:
+            raise APIError(503, "request closed before it finished")
+        return per_choice
+
+    def usage(self) -> dict:
+        outs = [(c, c.last) for c in self.choices if c.last is not None]
+        prompt = sum(o.num_prompt_tokens for c, o in outs if c.first_of_prompt)
+        cached = sum(o.num_cached_tokens for c, o in outs if c.first_of_prompt)
+        completion = sum(o.num_output_tokens for _, o in outs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # -- one choice -----------------------------------------------------------------------------------
+    async def _run(self, c: Choice) -> None:
+        stream = self.engine.generate(c.request_id, c.prompt, c.params)
+        try:
+            text = TextStream(self.engine.tokenizer, c.stops)
+            async for out in stream:
+                c.last = out
+                if not c.started.done():
+                    c.started.set_result(None)
+                if out.new_token_ids and self.first_token_time is None:
+                    self.first_token_time = time.monotonic()
+                delta = c.to_delta(out, text)
+                self.events.put_nowait(delta)
+                if delta.finish_reason:
+                    return  # a stop string: closing the stream below aborts the request
+            self.events.put_nowait(Delta(c.index, "", [], [], "error", "stream ended early"))
+        except Exception as e:
+            if not c.started.done():
+                c.started.set_exception(e)
+            else:
+                logger.exception("request %s failed", c.request_id)
+                self.events.put_nowait(Delta(c.index, "", [], [], "error", f"{type(e).__name__}: {e}"))
+        finally:
+            await stream.aclose()
+            if not c.started.done():
+                c.started.cancel()
+
+    def _record_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        if self.first_token_time is not None:
+            self.metrics.ttft.observe(self.first_token_time - self.arrival)
+        if all(c.done for c in self.choices):
+            self.metrics.latency.observe(time.monotonic() - self.arrival)
+        usage = self.usage()
+        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
+        self.metrics.completion_tokens.inc(usage["completion_tokens"])
+
+
+def _api_error(e: BaseException) -> APIError:
+    if isinstance(e, QueueFull):
+        return APIError(429, f"server busy: {e}", code="queue_full")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, asyncio.CancelledError):
+        return APIError(503, "request cancelled")
+    logger.error("request refused: %r", e)
+    return APIError(503, f"engine unavailable: {e}")

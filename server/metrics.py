@@ -1,0 +1,83 @@
+"""Prometheus metrics, in a registry of the app's own.
+
+Request-level series (counts, latencies, tokens) are recorded by the server; the engine's counters and
+gauges are read from `AsyncEngine.stats_snapshot` at scrape time by a custom collector.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# (metric name, help, stats_snapshot key)
+_GAUGES = (
+    ("minivllm_num_requests_running", "Requests running in the engine", "running"),
+    ("minivllm_num_requests_waiting", "Requests waiting for admission", "waiting"),
+    ("minivllm_pages_total", "KV pages in the pool", "pages_total"),
+    ("minivllm_pages_free", "KV pages free", "pages_free"),
+    ("minivllm_pages_cached", "KV pages cached (published, unreferenced)", "pages_cached"),
+    ("minivllm_pages_in_use", "KV pages referenced by requests", "pages_in_use"),
+)
+_COUNTERS = (
+    ("minivllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_query_tokens"),
+    ("minivllm_prefix_cache_hits", "Prompt tokens restored from the prefix cache", "prefix_hit_tokens"),
+    ("minivllm_computed_prompt_tokens", "Prompt tokens run through the model", "computed_prompt_tokens"),
+    ("minivllm_pages_published", "KV pages published to the prefix cache", "pages_published"),
+    ("minivllm_pages_evicted", "Cached KV pages evicted", "pages_evicted"),
+    ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
+    ("minivllm_engine_steps", "Engine steps", "steps"),
+    ("minivllm_single_flight_flights_opened", "Single-flight flights opened", "flights_opened"),
+    (
+        "minivllm_single_flight_followers_coalesced",
+        "Requests that waited for a leader's prefix",
+        "followers_coalesced",
+    ),
+    (
+        "minivllm_single_flight_follower_wait_seconds",
+        "Seconds followers waited for leaders",
+        "follower_wait_seconds",
+    ),
+)
+
+
+class _EngineCollector:
+    def __init__(self):
+        self.engine = None  # bound when the engine has started
+
+    def collect(self):
+        stats = getattr(self.engine, "stats_snapshot", None) or {}
+        for name, help_, key in _GAUGES:
+            yield GaugeMetricFamily(name, help_, value=stats.get(key, 0))
+        for name, help_, key in _COUNTERS:
+            yield CounterMetricFamily(name, help_, value=stats.get(key, 0))
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("minivllm_http_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram(
+            "minivllm_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "minivllm_e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "minivllm_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.completion_tokens = Counter("minivllm_generation_tokens", "Tokens generated", registry=r)
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+
+    def bind_engine(self, engine) -> None:
+        self._engine.engine = engine
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,273 @@
+"""Server settings: one table maps each setting to its environment variable, its CLI flag and EngineConfig.
+
+`Settings.from_env()` reads the environment once; `add_serve_arguments` / `settings_from_args` build the
+`minivllm serve` flags from the same table, and `serve_main(argv)` runs the server with them.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, make_dataclass
+
+from minivllm.config import EVICTION_POLICIES, PUBLICATION_MODES, SINGLE_FLIGHT_MODES, EngineConfig
+
+DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+class SettingsError(ValueError):
+    """A setting with a bad value; the message names the variable (or flag)."""
+
+
+def _parse_int(raw: str) -> int:
+    try:
+        return int(raw.strip().replace("_", ""))
+    except ValueError:
+        raise ValueError(f"expected an integer, got {raw!r}") from None
+
+
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _parse_bytes(raw: str) -> int:
+    """An integer number of bytes, optionally with a K/M/G/T suffix (binary: 4M = 4 MiB)."""
+    text = raw.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+    try:
+        return int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise ValueError(f"expected a byte count such as 4194304 or 4M, got {raw!r}") from None
+
+
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 1/0/true/false, got {raw!r}")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {raw!r}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # Settings field (and EngineConfig field unless engine_field says otherwise)
+    env: str
+    type: object  # the field's annotation
+    parse: Callable[[str], object]
+    default: object
+    help: str
+    engine_field: str | None = None  # the EngineConfig field it sets; None: a server-only setting
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _engine(name: str, env: str, type_, parse, help_: str, engine_field: str | None = None) -> Option:
+    engine_field = engine_field or name
+    return Option(name, env, type_, parse, _ENGINE_DEFAULTS[engine_field], help_, engine_field)
+
+
+OPTIONS: tuple[Option, ...] = (
+    _engine(
+        "model",
+        "MINIVLLM_MODEL",
+        str | None,
+        str.strip,
+        "model directory, .gguf file or Hugging Face repo id (default: the offline default model)",
+    ),
+    Option(
+        "model_name",
+        "MINIVLLM_MODEL_NAME",
+        str | None,
+        str.strip,
+        None,
+        f"served model id (default: the model's basename, or {DEFAULT_MODEL_NAME} for the default model)",
+    ),
+    _engine("page_size", "MINIVLLM_PAGE_SIZE", int, _parse_int, "tokens per KV page"),
+    _engine(
+        "kv_cache_bytes",
+        "MINIVLLM_KV_CACHE_BYTES",
+        int | None,
+        _parse_bytes,
+        "KV pool size in bytes, K/M/G suffixes allowed (default: 10%% of memory, at most 2 GiB)",
+    ),
+    _engine("max_num_seqs", "MINIVLLM_MAX_NUM_SEQS", int, _parse_int, "most requests running at once"),
+    _engine(
+        "max_num_batched_tokens",
+        "MINIVLLM_MAX_NUM_BATCHED_TOKENS",
+        int,
+        _parse_int,
+        "token budget per step (prefill chunks and decode tokens)",
+    ),
+    _engine(
+        "max_model_len",
+        "MINIVLLM_MAX_MODEL_LEN",
+        int | None,
+        _parse_int,
+        "context length, prompt plus output (default: the model's)",
+    ),
+    _engine(
+        "max_waiting",
+        "MINIVLLM_MAX_WAITING",
+        int,
+        _parse_int,
+        "waiting-queue bound; requests past it get HTTP 429",
+    ),
+    _engine(
+        "prefix_cache",
+        "MINIVLLM_PREFIX_CACHE",
+        bool,
+        _parse_bool,
+        "reuse cached KV of shared prompt prefixes",
+        "enable_prefix_caching",
+    ),
+    _engine("eviction", "MINIVLLM_EVICTION", str, _choice(EVICTION_POLICIES), "prefix-cache eviction policy"),
+    _engine(
+        "publication",
+        "MINIVLLM_PUBLICATION",
+        str,
+        _choice(PUBLICATION_MODES),
+        "when full KV pages become reusable",
+    ),
+    Option(
+        "single_flight",
+        "MINIVLLM_SINGLE_FLIGHT",
+        str | None,
+        _choice(SINGLE_FLIGHT_MODES),
+        None,
+        "coalesce concurrent identical prefixes (default: after_prefill, or off without the prefix cache)",
+        "single_flight",
+    ),
+    Option(
+        "api_key",
+        "MINIVLLM_API_KEY",
+        str | None,
+        str.strip,
+        None,
+        "require this bearer key on /v1 routes (default: no auth)",
+    ),
+    Option("log_level", "MINIVLLM_LOG_LEVEL", str, _choice(LOG_LEVELS), "info", "log level"),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+_SettingsFields = make_dataclass(
+    "_SettingsFields", [(o.name, o.type, o.default) for o in OPTIONS], frozen=True
+)
+
+
+class Settings(_SettingsFields):
+    """The server's settings; fields and defaults come from OPTIONS."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values = {o.name: _parse(o, environ.get(o.env), o.env) for o in OPTIONS}
+        return cls(**values).validated()
+
+    def validated(self) -> "Settings":
+        self.engine_config()
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig these settings describe; its validation errors name the variable."""
+        values = {o.engine_field: getattr(self, o.name) for o in OPTIONS if o.engine_field}
+        if values["single_flight"] is None:
+            values["single_flight"] = "after_prefill" if self.prefix_cache else "off"
+        try:
+            return EngineConfig(**values)
+        except ValueError as e:
+            raise SettingsError(f"{_option_named_in(str(e))}: {e}") from None
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model is None or self.model == "default":
+            return DEFAULT_MODEL_NAME
+        base = os.path.basename(self.model.rstrip("/"))
+        return base.removesuffix(".gguf") or self.model
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _parse(option: Option, raw: str | None, source: str):
+    if raw is None or not raw.strip():
+        return option.default
+    try:
+        return option.parse(raw)
+    except ValueError as e:
+        raise SettingsError(f"{source}: {e}") from None
+
+
+def _option_named_in(message: str) -> str:
+    """The env var of the setting an EngineConfig error message starts with."""
+    first = message.split()[0] if message else ""
+    for o in OPTIONS:
+        if first in (o.name, o.engine_field):
+            return o.env
+    return "settings"
+
+
+# -- the CLI, from the same table ------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per setting (e.g. --page-size); unset flags fall back to the environment, then defaults."""
+    group = parser.add_argument_group("engine and server settings")
+    for o in OPTIONS:
+        default = "" if o.default is None else f"; default {o.default}"
+        group.add_argument(
+            o.flag, dest=o.name, default=None, metavar=o.name.upper(), help=f"{o.help} [env {o.env}{default}]"
+        )
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags override environment variables, which override defaults. Errors name the flag or variable."""
+    base = Settings.from_env(environ)
+    values = base.as_dict()
+    for o in OPTIONS:
+        raw = getattr(args, o.name, None)
+        if raw is not None:
+            values[o.name] = _parse(o, raw, o.flag)
+    return Settings(**values).validated()
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`minivllm serve`: parse flags, validate, run uvicorn on the app. Returns the exit status."""
+    parser = argparse.ArgumentParser(prog="minivllm serve", description="OpenAI-compatible minivllm server")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except SettingsError as e:
+        print(f"minivllm serve: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from server.app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -1,0 +1,470 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn on 127.0.0.1 with the tiny model, driven by
+the official openai client (and httpx for what the client will not send)."""
+
+import argparse
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.app import create_app
+from server.settings import Settings, SettingsError, add_serve_arguments, serve_main, settings_from_args
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Paged attention stores keys and values"}]
+LONG_PROMPT = "Prefix caching reuses the KV cache of a shared prompt prefix across requests. " * 3
+
+
+class ServerThread:
+    """uvicorn.Server in a background thread, on a free port."""
+
+    def __init__(self, settings: Settings):
+        self.app = create_app(settings)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def engine(self):
+        return self.app.state.server.engine.engine  # the LLMEngine
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
+
+    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Poll until no request holds pages, then check the pool's invariants."""
+        deadline = time.monotonic() + timeout
+        eng = self.engine
+        while eng.requests or eng.pool.num_in_use:
+            assert time.monotonic() < deadline, f"engine not idle: {len(eng.requests)} requests"
+            time.sleep(0.02)
+        time.sleep(0.05)  # let the stepping thread finish its bookkeeping
+        assert eng.pool.num_in_use == 0
+        eng.check_invariants()
+
+
+def _settings(model_dir, **kw) -> Settings:
+    return Settings(model=str(model_dir), model_name=MODEL, kv_cache_bytes=4 << 20, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerThread(_settings(tiny_model_dir)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir):
+    """A second server: API key required, one running and one waiting request at most."""
+    with ServerThread(_settings(tiny_model_dir, api_key="sesame", max_num_seqs=1, max_waiting=1)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def _stream_text(stream) -> tuple[str, list, object]:
+    text, reasons, usage = "", [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            text += piece or ""
+            reasons.append(c.finish_reason)
+    return text, [r for r in reasons if r], usage
+
+
+# -- basics ---------------------------------------------------------------------------------------------
+def test_health_and_models(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, reasons, usage = _stream_text(stream)
+    assert text == choice.message.content and reasons == [choice.finish_reason]
+    assert usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_string_and_token_prompts(server, client):
+    r = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0, logprobs=2
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    ids = server.engine.tokenizer.encode("The quick brown fox")
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text
+    stream = client.completions.create(model=MODEL, prompt=[ids], max_tokens=8, temperature=0, stream=True)
+    assert _stream_text(stream)[0] == r.choices[0].text
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy picks the top
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    first = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 32
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# -- stop strings -----------------------------------------------------------------------------------------
+def _stop_across_boundary(client, prompt: str) -> tuple[str, str] | None:
+    """A stop string spanning a token boundary of the greedy output, and the text expected before it."""
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    text, tokens = r.choices[0].text, r.choices[0].logprobs.tokens
+    for i in range(len(tokens) - 1):
+        left, right = tokens[i], tokens[i + 1]
+        if not all(t.isascii() and t.isprintable() and t.strip() for t in (left, right)):
+            continue
+        prefix = "".join(tokens[: i + 1])
+        stop = left[-1] + right[:2]
+        if text.startswith(prefix + right) and text.find(stop) == len(prefix) - 1:
+            return stop, text[: text.find(stop)]
+    return None
+
+
+def test_stop_string_split_across_tokens(client):
+    prompt, (stop, expected) = next(
+        (p, found)
+        for p in ("The quick", "def reverse(s):", "abc", "0123")
+        if (found := _stop_across_boundary(client, p))
+    )
+    kw = dict(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == expected and stop not in r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+    text, reasons, _ = _stream_text(client.completions.create(stream=True, **kw))
+    assert text == expected and reasons == ["stop"]
+
+
+# -- sampling -------------------------------------------------------------------------------------------
+def test_n_choices(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=1, seed=3, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    stream = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=1, seed=3, n=2, stream=True
+    )
+    indices = {c.index for chunk in stream for c in chunk.choices}
+    assert indices == {0, 1}
+
+
+def test_seed_reproducibility(client):
+    def sample(seed: int) -> str:
+        r = client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=12,
+            temperature=1,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return r.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+    # n with a seed: choice i samples with seed + i
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=1,
+        seed=7,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [sample(7), sample(8)]
+
+
+def test_concurrent_streams_complete(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, list]:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+        text, reasons = "", []
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                reasons += [c.finish_reason] if c.finish_reason else []
+        return text, reasons
+
+    async def main():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert len(results) == 16 and all(len(reasons) == 1 for _, reasons in results)
+    server.wait_idle()
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+def _post(server, path: str, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, timeout=30, **kw)
+
+
+def _assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"model": MODEL}),  # no messages
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": "many"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 3}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_p": 0}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_logprobs": 21, "logprobs": True}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 0}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 0}),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}),
+        ("/v1/completions", {"model": MODEL, "prompt": []}),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}),
+        ("/v1/completions", {"model": MODEL, "prompt": list(range(1, 300)) * 7}),  # longer than the context
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 50}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}),
+        ("/v1/completions", {"model": MODEL, "prompt": ["hi", [1, 2]]}),
+        ("/v1/completions", [1, 2]),
+    ],
+)
+def test_bad_requests_are_400(server, path, body):
+    for stream in (False, True):
+        payload = {**body, "stream": stream} if isinstance(body, dict) else body
+        _assert_error(_post(server, path, json=payload), 400)
+
+
+def test_invalid_json_is_400(server):
+    error = _assert_error(
+        _post(
+            server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+    assert "JSON" in error["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-17", messages=CHAT)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_context_overflow_is_400_through_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10_000)
+    assert "context length" in e.value.message
+
+
+def test_api_key_required(guarded):
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").models.list()
+    r = httpx.post(guarded.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    _assert_error(r, 401)
+    _assert_error(httpx.get(guarded.url + "/v1/nowhere"), 401)
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    r = guarded.client(api_key="sesame").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert r.choices[0].text is not None
+
+
+def test_full_waiting_queue_is_429(guarded):
+    async def one(client: httpx.AsyncClient) -> int:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+        r = await client.post("/v1/completions", json=body)
+        if r.status_code == 429:
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        return r.status_code
+
+    async def main():
+        headers = {"Authorization": "Bearer sesame"}
+        async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=60) as client:
+            return await asyncio.gather(*(one(client) for _ in range(8)))
+
+    statuses = asyncio.run(main())
+    assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
+    guarded.wait_idle()
+
+
+def test_engine_error_is_500_and_server_survives(server, client, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated step failure")
+
+    monkeypatch.setattr(server.engine.runner, "step", broken)
+    r = _post(server, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert "simulated step failure" in _assert_error(r, 500)["message"]
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True}
+    ) as r:
+        assert r.status_code == 200
+        body = r.read().decode()
+    assert "simulated step failure" in body and '"error"' in body
+    monkeypatch.undo()
+    server.wait_idle()
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+# -- disconnects ------------------------------------------------------------------------------------------
+def test_disconnect_mid_stream_releases_pages(server):
+    server.wait_idle()
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    steps = server.engine.num_steps
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.engine.requests  # still generating
+    server.wait_idle()
+    assert server.engine.num_steps - steps < 1000  # aborted, not run to its 1500 tokens
+
+
+def test_disconnect_mid_request_aborts_non_streaming(server):
+    server.wait_idle()
+    body = {"model": MODEL, "prompt": LONG_PROMPT * 4, "max_tokens": 1500, "ignore_eos": True}
+    steps = server.engine.num_steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    server.wait_idle()
+    assert server.engine.num_steps - steps < 1000  # aborted, not run to its 1500 tokens
+
+
+# -- metrics ----------------------------------------------------------------------------------------------
+def _scrape(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def test_metrics_move(server, client):
+    before = _scrape(server)
+    client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3, temperature=0)
+    after = _scrape(server)
+    ok = "minivllm_http_requests_total{endpoint=/v1/completions,status=200}"
+    assert after[ok] == before.get(ok, 0) + 1
+    for name in (
+        "minivllm_prompt_tokens_total",
+        "minivllm_generation_tokens_total",
+        "minivllm_prefix_cache_queries_total",
+        "minivllm_time_to_first_token_seconds_count",
+        "minivllm_e2e_request_latency_seconds_count",
+    ):
+        assert after[name] > before.get(name, 0), name
+    assert after["minivllm_prefix_cache_hits_total"] > 0  # LONG_PROMPT ran before
+    assert after["minivllm_pages_total"] == server.engine.pool.num_pages
+    for name in (
+        "minivllm_pages_free",
+        "minivllm_pages_cached",
+        "minivllm_pages_in_use",
+        "minivllm_num_requests_running",
+        "minivllm_num_requests_waiting",
+        "minivllm_pages_published_total",
+        "minivllm_pages_evicted_total",
+        "minivllm_single_flight_flights_opened_total",
+        "minivllm_single_flight_followers_coalesced_total",
+        "minivllm_single_flight_follower_wait_seconds_total",
+    ):
+        assert name in after, name
+
+
+# -- settings ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"MINIVLLM_PAGE_SIZE": "abc"}, "MINIVLLM_PAGE_SIZE"),
+        ({"MINIVLLM_EVICTION": "nope"}, "MINIVLLM_EVICTION"),
+        ({"MINIVLLM_PREFIX_CACHE": "maybe"}, "MINIVLLM_PREFIX_CACHE"),
+        ({"MINIVLLM_KV_CACHE_BYTES": "lots"}, "MINIVLLM_KV_CACHE_BYTES"),
+        ({"MINIVLLM_PAGE_SIZE": "0"}, "MINIVLLM_PAGE_SIZE"),  # EngineConfig's own check
+        ({"MINIVLLM_PREFIX_CACHE": "0", "MINIVLLM_SINGLE_FLIGHT": "after_prefill"}, "MINIVLLM_SINGLE_FLIGHT"),
+    ],
+)
+def test_bad_env_value_names_the_variable(env, named):
+    with pytest.raises(SettingsError, match=named):
+        Settings.from_env(env)
+
+
+def test_settings_from_env_and_flags():
+    s = Settings.from_env(
+        {"MINIVLLM_KV_CACHE_BYTES": "4M", "MINIVLLM_PREFIX_CACHE": "false", "MINIVLLM_MODEL": "/m/tiny/"}
+    )
+    assert s.kv_cache_bytes == 4 << 20 and s.served_model_name == "tiny"
+    assert s.engine_config().single_flight == "off"  # follows the prefix cache unless set
+    assert Settings.from_env({}).served_model_name == "qwen2.5-coder-0.5b-instruct"
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--page-size", "32", "--eviction", "lru"])
+    s = settings_from_args(args, {"MINIVLLM_PAGE_SIZE": "8", "MINIVLLM_MAX_WAITING": "3"})
+    assert (s.page_size, s.eviction, s.max_waiting) == (32, "lru", 3)
+    with pytest.raises(SettingsError, match="--max-num-seqs"):
+        settings_from_args(parser.parse_args(["--max-num-seqs", "x"]), {})
+    assert serve_main(["--eviction", "nope"]) == 2
