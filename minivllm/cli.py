@@ -78,7 +78,7 @@ def replay_main(argv: list[str]) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    from server.cli import serve_main as main
+    from server.settings import serve_main as main
 
     return main(argv)
 

@@ -1,0 +1,1 @@
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)

@@ -36,3 +36,22 @@ def test_default_model_answers_like_mlx_lm():
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=16))
     assert out.token_ids == MlxLmReference(default_model_dir()).greedy(prompt, 16)
     assert "reverse" in out.text.lower()
+
+
+@pytest.mark.slow
+def test_server_answers_a_chat_on_the_default_model():
+    from server.settings import Settings
+    from tests.test_server import ServerThread
+
+    with ServerThread(Settings(model=None, kv_cache_bytes=64 << 20)) as server:
+        client = server.client()
+        (model,) = [m.id for m in client.models.list().data]
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Write a Python function to reverse a string."}],
+            max_tokens=48,
+            temperature=0,
+        )
+    answer = reply.choices[0].message.content
+    assert "def " in answer and "reverse" in answer.lower()
+    assert reply.usage.completion_tokens == 48 and reply.usage.prompt_tokens > 20
