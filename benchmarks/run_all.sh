@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run every benchmark on the default model, one after another (they share the CPU), writing
+# benchmarks/results/*.{json,md,png}. About an hour and a half on a 2-core CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m benchmarks.throughput "$@"
+python -m benchmarks.prefix_reuse --plot "$@"
+python -m benchmarks.concurrent_population --plot "$@"
+python -m benchmarks.single_flight --plot "$@"
+python -m benchmarks.single_flight --scenario churn "$@"
+python -m benchmarks.peer "$@"
+python -m benchmarks.replay_sweep
