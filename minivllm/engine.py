@@ -137,6 +137,7 @@ class LLMEngine:
                 for seq in seqs:
                     self.scheduler.finish(seq, "error")
                     outputs[seq.request_id] = self._output(seq, [], error=f"{type(e).__name__}: {e}")
+                self._reset_kv()
                 step_outputs = None
             if step_outputs is not None:
                 self.num_steps += 1
@@ -154,6 +155,14 @@ class LLMEngine:
                 outputs[seq.request_id] = self._output(seq, [])
         self.scheduler.finished.clear()
         return list(outputs.values())
+
+    def _reset_kv(self) -> None:
+        """After a failed step the pools may hold a broken lazy graph: start them afresh. Cached pages
+        are forgotten and the requests still running recompute their KV."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
+        self.pool.clear_cache()
+        self.runner.reset_kv()
 
     def _output(
         self, seq: Sequence, tokens: list[int], logprobs=(), error: str | None = None
