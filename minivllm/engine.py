@@ -39,7 +39,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
+    num_pages_published: int = 0
     num_output_tokens: int = 0
     flight_role: str | None = None
     error: str | None = None
@@ -175,6 +177,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
+            num_pages_published=seq.num_pages_published,
             num_output_tokens=len(seq.output_token_ids),
             flight_role=seq.flight_role,
             error=error,
