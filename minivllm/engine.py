@@ -7,7 +7,6 @@ one thread (the caller's, or the async engine's stepping thread).
 import logging
 import os
 import random
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -140,21 +139,16 @@ class LLMEngine:
                     self.scheduler.finish(seq, "error")
                     outputs[seq.request_id] = self._output(seq, [], error=f"{type(e).__name__}: {e}")
                 self._reset_kv()
-                step_outputs = None
-            if step_outputs is not None:
+            else:
                 self.num_steps += 1
                 self.scheduler.postprocess(seqs, num_tokens, step_outputs)
-                now = time.monotonic()
                 for seq, out in zip(seqs, step_outputs):
                     if out.token is not None:
-                        seq.first_token_time = seq.first_token_time or now
-                        outputs[seq.request_id] = self._output(
-                            seq, [out.token], [out.logprob] if out.logprob else []
-                        )
-        for seq in self.scheduler.finished:
+                        logprobs = [out.logprob] if out.logprob else []
+                        outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
+        for seq in self.scheduler.finished:  # finished, aborted or stopped by the scheduler
             self.requests.pop(seq.request_id, None)
-            if seq.request_id not in outputs:
-                outputs[seq.request_id] = self._output(seq, [])
+            outputs.setdefault(seq.request_id, self._output(seq, []))
         self.scheduler.finished.clear()
         return list(outputs.values())
 

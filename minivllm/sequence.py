@@ -43,7 +43,6 @@ class Sequence:
     seed: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
