@@ -528,6 +528,11 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _code_changed() -> bool:
+    """Uncommitted changes outside benchmarks/results (results written by earlier scripts don't count)."""
+    return bool(_git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"))
+
+
 def _processor() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -566,7 +571,7 @@ def metadata(model_dir: Path, page_size: int | None = None, **extra: Any) -> dic
         },
         "model": {"dir": str(model_dir), "dtype": model_dtype(model_dir)},
         "page_size": page_size,
-        "git": {"commit": _git("rev-parse", "--short", "HEAD"), "dirty": bool(_git("status", "--porcelain"))},
+        "git": {"commit": _git("rev-parse", "--short", "HEAD"), "dirty": _code_changed()},
         **extra,
     }
 

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m benchmarks.throughput "$@"
+python -m benchmarks.pool_scaling "$@"
 python -m benchmarks.prefix_reuse --plot "$@"
 python -m benchmarks.concurrent_population --plot "$@"
 python -m benchmarks.single_flight --plot "$@"

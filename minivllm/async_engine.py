@@ -49,7 +49,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the stepping thread and end every open stream. Call it on the event loop's thread."""
         self._stopping.set()
         self._inbox.put(None)  # wake the thread
         if self._thread is not None:
@@ -69,7 +74,7 @@ class AsyncEngine:
         Closing the iterator early (client gone) aborts the request and releases its pages."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if self._thread is None or not self._thread.is_alive():
+        if not self.is_running:
             raise RuntimeError("engine is not running")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream

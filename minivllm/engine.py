@@ -7,7 +7,6 @@ one thread (the caller's, or the async engine's stepping thread).
 import logging
 import os
 import random
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -39,7 +38,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
+    num_pages_published: int = 0
     num_output_tokens: int = 0
     flight_role: str | None = None
     error: str | None = None
@@ -137,23 +138,27 @@ class LLMEngine:
                 for seq in seqs:
                     self.scheduler.finish(seq, "error")
                     outputs[seq.request_id] = self._output(seq, [], error=f"{type(e).__name__}: {e}")
-                step_outputs = None
-            if step_outputs is not None:
+                self._reset_kv()
+            else:
                 self.num_steps += 1
                 self.scheduler.postprocess(seqs, num_tokens, step_outputs)
-                now = time.monotonic()
                 for seq, out in zip(seqs, step_outputs):
                     if out.token is not None:
-                        seq.first_token_time = seq.first_token_time or now
-                        outputs[seq.request_id] = self._output(
-                            seq, [out.token], [out.logprob] if out.logprob else []
-                        )
-        for seq in self.scheduler.finished:
+                        logprobs = [out.logprob] if out.logprob else []
+                        outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
+        for seq in self.scheduler.finished:  # finished, aborted or stopped by the scheduler
             self.requests.pop(seq.request_id, None)
-            if seq.request_id not in outputs:
-                outputs[seq.request_id] = self._output(seq, [])
+            outputs.setdefault(seq.request_id, self._output(seq, []))
         self.scheduler.finished.clear()
         return list(outputs.values())
+
+    def _reset_kv(self) -> None:
+        """After a failed step the pools may hold a broken lazy graph: start them afresh. Cached pages
+        are forgotten and the requests still running recompute their KV."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
+        self.pool.clear_cache()
+        self.runner.reset_kv()
 
     def _output(
         self, seq: Sequence, tokens: list[int], logprobs=(), error: str | None = None
@@ -166,6 +171,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
+            num_pages_published=seq.num_pages_published,
             num_output_tokens=len(seq.output_token_ids),
             flight_role=seq.flight_role,
             error=error,

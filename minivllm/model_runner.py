@@ -43,11 +43,17 @@ class ModelRunner:
     def __init__(self, model: nn.Module, geometry: KVGeometry, num_pages: int, page_size: int):
         self.model = model
         self.page_size = page_size
-        slots = num_pages * page_size
-        shape = (slots, geometry.num_kv_heads, geometry.head_dim)
+        self.geometry = geometry
+        self.num_slots = num_pages * page_size
+        self.reset_kv()
+
+    def reset_kv(self) -> None:
+        g = self.geometry
+        shape = (self.num_slots, g.num_kv_heads, g.head_dim)
+        self.kv = None  # let the old pools go before the new ones are allocated
         self.kv = KVPools(
-            keys=[mx.zeros(shape, dtype=geometry.dtype) for _ in range(geometry.num_layers)],
-            values=[mx.zeros(shape, dtype=geometry.dtype) for _ in range(geometry.num_layers)],
+            keys=[mx.zeros(shape, dtype=g.dtype) for _ in range(g.num_layers)],
+            values=[mx.zeros(shape, dtype=g.dtype) for _ in range(g.num_layers)],
         )
         mx.eval(self.kv.keys, self.kv.values)
 

@@ -39,6 +39,7 @@ class PagePool:
         self.free: deque[int] = deque(range(num_pages))
         self.index: dict[bytes, int] = {}  # published hash -> page
         self.children: dict[bytes, set[bytes]] = {}  # published hash -> published hashes of the next pages
+        self.num_cached = 0  # published pages with refcount 0
         self.counters = PoolCounters()
 
     # -- counts -------------------------------------------------------------------------------------
@@ -47,12 +48,8 @@ class PagePool:
         return len(self.free)
 
     @property
-    def num_cached(self) -> int:
-        return sum(1 for p in self.index.values() if self.refcount[p] == 0)
-
-    @property
     def num_in_use(self) -> int:
-        return sum(1 for c in self.refcount if c > 0)
+        return self.num_pages - self.num_free - self.num_cached
 
     def num_available(self) -> int:
         """Pages an allocation can get now: free ones plus cached ones it may evict."""
@@ -77,6 +74,7 @@ class PagePool:
     def acquire(self, pages: list[int]) -> None:
         """Share published pages with a request (a hit: the policy counts an access)."""
         for page in pages:
+            self.num_cached -= self.refcount[page] == 0
             self.refcount[page] += 1
             self._uncache(self.policy.access(self.page_hash[page]))
         self.counters.pages_restored += len(pages)
@@ -85,8 +83,11 @@ class PagePool:
         for page in pages:
             assert self.refcount[page] > 0, f"page {page} released more often than acquired"
             self.refcount[page] -= 1
-            if self.refcount[page] == 0 and self.page_hash[page] is None:
-                self.free.append(page)
+            if self.refcount[page] == 0:
+                if self.page_hash[page] is None:
+                    self.free.append(page)
+                else:
+                    self.num_cached += 1
 
     # -- allocation -----------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -135,11 +136,19 @@ class PagePool:
         self.page_hash[page] = None
         self.page_tokens[page] = None
         if self.refcount[page] == 0:
+            self.num_cached -= 1
             self.free.append(page)
         for child in self.children.pop(h, ()):
             if child in self.index:
                 self.policy.remove(child)
                 self._drop(child)
+
+    def clear_cache(self) -> None:
+        """Forget every published page (their KV is gone); unused ones become free."""
+        for h in list(self.index):
+            if h in self.index:
+                self.policy.remove(h)
+                self._drop(h)
 
     # -- invariants -----------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -152,6 +161,9 @@ class PagePool:
                 + (self.refcount[page] == 0 and self.page_hash[page] is not None)
             )
             assert states == 1, f"page {page} is in {states} states"
-        assert self.num_free + self.num_in_use + self.num_cached == self.num_pages
+        in_use = sum(1 for c in self.refcount if c > 0)
+        cached = sum(1 for p in self.index.values() if self.refcount[p] == 0)
+        assert cached == self.num_cached, f"cached count {self.num_cached} != {cached}"
+        assert self.num_free + in_use + cached == self.num_pages
         for h, page in self.index.items():
             assert self.page_hash[page] == h and h in self.policy, "index and policy disagree"

@@ -109,7 +109,7 @@ class Scheduler:
         self.pool.acquire(hits)
         seq.page_table = hits + self.pool.allocate(need)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.page_size
-        seq.num_published_pages = len(hits)
+        seq.publish_cursor = len(hits)
         seq.status = SequenceStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
@@ -172,10 +172,11 @@ class Scheduler:
         """Publish every full page whose KV is computed (and evaluated: this runs after the step)."""
         hashes = seq.full_page_hashes(self.page_size)
         full = min(seq.num_computed_tokens // self.page_size, len(hashes))
-        for i in range(seq.num_published_pages, full):
+        for i in range(seq.publish_cursor, full):
             tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
-            self.pool.publish(seq.page_table[i], hashes[i], hashes[i - 1] if i else None, tokens)
-        seq.num_published_pages = max(seq.num_published_pages, full)
+            parent = hashes[i - 1] if i else None
+            seq.num_pages_published += self.pool.publish(seq.page_table[i], hashes[i], parent, tokens)
+        seq.publish_cursor = max(seq.publish_cursor, full)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq for good: finished ("stop"/"length"), aborted ("abort") or failed ("error")."""
@@ -196,4 +197,4 @@ class Scheduler:
         self.pool.release(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
-        seq.num_published_pages = 0
+        seq.publish_cursor = 0

@@ -32,7 +32,8 @@ class Sequence:
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full pages of token_ids
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
-    num_published_pages: int = 0  # pages of page_table already considered for publication
+    publish_cursor: int = 0  # pages of page_table already considered for publication
+    num_pages_published: int = 0  # pages this request made reusable, over all admissions
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache (last admission)
     num_computed_prompt_tokens: int = (
         0  # prompt tokens this request ran through the model, over all admissions
@@ -42,7 +43,6 @@ class Sequence:
     seed: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

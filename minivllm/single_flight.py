@@ -79,11 +79,9 @@ class FlightCoordinator:
         flight = self.flight_of.get(leader.request_id)
         if flight is None or flight.leader is not leader or not flight.followers:
             return
-        flight.leader = flight.followers.popleft()
-        flight.leader.flight_role = "leader"
+        self._promote(flight)
         flight.followers.append(leader)
         leader.flight_role = "follower"
-        self.counters.leader_handovers += 1
 
     def terminate(self, seq: Sequence) -> None:
         """seq finished, was aborted or failed. Unknown ids are an error."""
@@ -98,12 +96,14 @@ class FlightCoordinator:
             flight.followers.remove(seq)
             return
         if flight.followers and seq.finish_reason in ("abort", "error"):
-            # No follower may wait forever: the oldest takes over and computes the prompt itself.
-            flight.leader = flight.followers.popleft()
-            flight.leader.flight_role = "leader"
-            self.counters.leader_handovers += 1
+            self._promote(flight)  # no follower may wait forever: the oldest computes the prompt itself
             return
         self._close(flight)  # the leader finished: its pages are published
+
+    def _promote(self, flight: Flight) -> None:
+        flight.leader = flight.followers.popleft()
+        flight.leader.flight_role = "leader"
+        self.counters.leader_handovers += 1
 
     def _close(self, flight: Flight) -> None:
         del self.flights[flight.key]

@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
         eng = engine or await asyncio.to_thread(AsyncEngine, settings.engine_config())
-        owned = not _engine_running(eng)
+        owned = not eng.is_running
         if owned:
             eng.start()
         metrics.bind_engine(eng)
@@ -67,10 +67,6 @@ def _state(settings: Settings, engine: AsyncEngine, metrics: Metrics) -> ServerS
     return ServerState(settings, engine, metrics, settings.served_model_name, token_text)
 
 
-def _engine_running(engine: AsyncEngine) -> bool:
-    return engine._thread is not None and engine._thread.is_alive()
-
-
 def _configure_logging(level: str) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("minivllm", "server"):
@@ -80,7 +76,7 @@ def _configure_logging(level: str) -> None:
 def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.get("/health")
     async def health(request: Request):
-        if not _engine_running(request.app.state.server.engine):
+        if not request.app.state.server.engine.is_running:
             return error_response(503, "engine is not running")
         return {"status": "ok"}
 

@@ -208,3 +208,33 @@ def test_4bit_checkpoint_matches_mlx_lm(tiny_model_dir, tmp_path):
     prompts = random_prompts([5, 40], seed=9)
     reference = MlxLmReference(q4)
     assert run_all(llm, prompts, 12) == [reference.greedy(p, 12) for p in prompts]
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, reference, monkeypatch):
+    import minivllm.model_runner as runner_module
+
+    engine = LLMEngine(_config(tiny_model_dir, kv_cache_bytes=4 << 20))
+    warm = random_prompts([40], seed=10)[0]
+    engine.add_request("warm", warm, greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.pool.num_cached > 0
+    real_forward = runner_module.forward
+
+    def broken_forward(*args):
+        real_forward(*args)  # the pools now hold this step's lazy writes
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner_module, "forward", broken_forward)
+    engine.add_request("a", warm, greedy(4))
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.error) for o in outputs] == [
+        ("a", "error", "RuntimeError: boom")
+    ]
+    monkeypatch.setattr(runner_module, "forward", real_forward)
+    engine.check_invariants()
+    assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_pages  # cache forgotten
+    seq = engine.add_request("b", warm, greedy(8))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seq.output_token_ids == reference.greedy(warm, 8)

@@ -45,6 +45,10 @@ def test_repeated_prompt_restores_whole_pages_but_the_last_token(tiny_model_dir,
     assert warm.num_cached_tokens == restored
     assert warm.num_computed_prompt_tokens == n - restored
     assert warm.output_token_ids == cold.output_token_ids
+    # every full page the cold run computed is published (the last sampled token has no KV yet);
+    # the warm run's recomputed pages are twins of published ones and stay private
+    assert cold.num_pages_published == (n + 8 - 1) // 16
+    assert warm.num_pages_published == 0
     stats = engine.stats()
     assert stats["prefix_hit_tokens"] == restored and stats["prefix_query_tokens"] == 2 * n
 
