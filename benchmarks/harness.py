@@ -65,15 +65,9 @@ class Server:
 
 
 def is_cpu_backend() -> bool:
-    import mlx.core as mx
+    from minivllm.backend import detect_backend
 
-    return mx.default_device().type == mx.cpu or not (mx.metal.is_available() or _cuda_available())
-
-
-def _cuda_available() -> bool:
-    import mlx.core as mx
-
-    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+    return not detect_backend().is_gpu
 
 
 def free_port() -> int:
@@ -551,6 +545,7 @@ def _version(pkg: str) -> str:
 
 
 def metadata(model_dir: Path, page_size: int | None = None, **extra: Any) -> dict[str, Any]:
+    from minivllm.backend import detect_backend  # noqa: I001  (first: it preloads OpenBLAS before mlx)
     import mlx.core as mx
 
     return {
@@ -564,7 +559,7 @@ def metadata(model_dir: Path, page_size: int | None = None, **extra: Any) -> dic
         "mlx": {
             "default_device": str(mx.default_device()),
             "metal_available": mx.metal.is_available(),
-            "cuda_available": _cuda_available(),
+            "backend": detect_backend().name,
             "mlx_version": _version("mlx"),
             "mlx_lm_version": _version("mlx-lm"),
             "openblas_preload_for_peer": is_cpu_backend() and OPENBLAS.exists(),

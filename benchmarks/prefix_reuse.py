@@ -89,7 +89,9 @@ def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> lis
 
 async def run(args) -> None:
     tokenizer = h.load_tokenizer(args.model)
-    n_tokens, max_tokens = (300, 8) if args.quick else (904, 16)  # the seed article's size (the rule gives 896 restored)
+    n_tokens, max_tokens = (
+        (300, 8) if args.quick else (904, 16)
+    )  # the seed article's size (the rule gives 896 restored)
     specs = [h.spec_for(args, label, env) for label, env in CONFIGS.items()]
     by_config = await h.run_configs(
         specs, args.runs, lambda s, r: one_run(s, r, tokenizer, n_tokens, max_tokens)
