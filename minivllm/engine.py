@@ -9,8 +9,6 @@ import os
 import random
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from minivllm.backend import detect_backend
 from minivllm.config import EngineConfig
 from minivllm.eviction import make_policy
@@ -215,7 +213,3 @@ class LLMEngine:
                 "follower_wait_seconds": f.follower_wait_seconds,
             }
         return stats
-
-
-def peak_memory_bytes() -> int:
-    return mx.get_peak_memory()

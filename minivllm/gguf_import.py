@@ -170,11 +170,6 @@ def iter_float_weights(reader: GGUFReader, info: GGUFModelInfo) -> Iterator[tupl
         yield hf_name(t.name), w
 
 
-def load_float_weights(reader: GGUFReader, info: GGUFModelInfo) -> dict[str, np.ndarray]:
-    """All weights as float32 under mlx-lm names: the GGUF's own values, before any MLX quantization."""
-    return dict(iter_float_weights(reader, info))
-
-
 def quantize_weight(name: str, w: np.ndarray, bits: int, group_size: int) -> dict[str, mx.array]:
     """Quantize a 2-D matrix (Linear or embedding) like mlx_lm's quantize_model; norms and biases stay float."""
     if w.ndim != 2:

@@ -45,9 +45,6 @@ class Scheduler:
         if self.flights:
             self.flights.join(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         budget = self.config.max_num_batched_tokens
