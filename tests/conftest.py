@@ -1,4 +1,10 @@
-import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+import os
+
+# Parity with mlx-lm is checked token for token: keep float32 matmuls in full float32 on GPU backends
+# (MLX's CUDA backend defaults to TF32, whose rounding differs between batch shapes).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import minivllm  # noqa: E402, F401  (loads OpenBLAS before anything imports mlx)
 
 # isort: split
 import pytest
