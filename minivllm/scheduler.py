@@ -133,21 +133,14 @@ class Scheduler:
         incremental = self.config.publication == "incremental"
         for seq, n, out in zip(seqs, num_tokens, new_tokens):
             was_prefill = seq.in_prefill
-            prompt_part = max(
-                0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens
-            )
+            prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_prompt_tokens += prompt_part
             self.counters.computed_prompt_tokens += prompt_part
             seq.num_computed_tokens += n
-            if self.config.enable_prefix_caching and incremental:
-                self.publish(seq)
-            if (
-                was_prefill
-                and not seq.in_prefill
-                and self.flights
-                and self.config.single_flight == "after_prefill"
-            ):
-                self.publish(seq)  # the followers' checkpoint, even under publication=completion
+            release = was_prefill and not seq.in_prefill and self.config.single_flight == "after_prefill"
+            if self.config.enable_prefix_caching and (incremental or release):
+                self.publish(seq)  # on release: the followers' checkpoint, even under publication=completion
+            if release:
                 self.flights.release(seq)
             if out.token is not None:
                 self._append_token(seq, out)
