@@ -14,7 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks import harness as h
+from benchmarks.harness import client, prompts, results, runner, servers
 
 
 @dataclass
@@ -32,17 +32,17 @@ QUICK = Sizes(cold_tokens=200, burst_tokens=200, bursts=(4,), short_output=8, th
               throughput_prompt=64, throughput_output=16)  # fmt: skip
 
 
-def decode_tok_s(results: list[h.RequestResult]) -> float:
+def decode_tok_s(results: list[client.RequestResult]) -> float:
     # Tokens after each request's first, over the window from the first first-token to the last finish:
     # the batch's decode rate, with prefill kept out as far as a client can tell.
     window = max(r.finished_at for r in results) - min(r.first_token_at for r in results)
     return sum(max(0, r.completion_tokens - 1) for r in results) / window if window > 0 else float("nan")
 
 
-async def peer_run(session: h.Session, run: int, tokenizer, sz: Sizes) -> dict[str, Any]:
+async def peer_run(session: runner.Session, run: int, tokenizer, sz: Sizes) -> dict[str, Any]:
     m: dict[str, float] = {}
     raw: dict[str, Any] = {}
-    prompt = h.make_prompt(tokenizer, sz.cold_tokens, 50_000 + run)
+    prompt = prompts.make_prompt(tokenizer, sz.cold_tokens, 50_000 + run)
     cold = await session.chat(prompt.messages, sz.short_output)
     warm = await session.chat(prompt.messages, sz.short_output)
     raw["cold_warm"] = [cold, warm]
@@ -51,17 +51,17 @@ async def peer_run(session: h.Session, run: int, tokenizer, sz: Sizes) -> dict[s
     m["cold/warm: warm TTFT ms"] = warm.ttft_s * 1e3
     m["cold/warm: warm cached tokens"] = warm.cached_tokens
     for i, n in enumerate(sz.bursts):
-        prompt = h.make_prompt(tokenizer, sz.burst_tokens, 51_000 + 100 * run + i)
+        prompt = prompts.make_prompt(tokenizer, sz.burst_tokens, 51_000 + 100 * run + i)
         rs = await session.burst([prompt.messages] * n, sz.short_output)
         raw[f"burst_{n}"] = rs
-        m[f"burst {n}: mean TTFT ms"] = h.mean_sd([r.ttft_s for r in rs])[0] * 1e3
+        m[f"burst {n}: mean TTFT ms"] = results.mean_sd([r.ttft_s for r in rs])[0] * 1e3
         m[f"burst {n}: slowest completion ms"] = max(r.latency_s for r in rs) * 1e3
-        m[f"burst {n}: mean cached tokens"] = h.mean_sd([r.cached_tokens for r in rs])[0]
-    prompts = [
-        h.make_prompt(tokenizer, sz.throughput_prompt, 52_000 + 100 * run + i).messages
+        m[f"burst {n}: mean cached tokens"] = results.mean_sd([r.cached_tokens for r in rs])[0]
+    batch = [
+        prompts.make_prompt(tokenizer, sz.throughput_prompt, 52_000 + 100 * run + i).messages
         for i in range(sz.throughput_requests)
     ]
-    rs = await session.burst(prompts, sz.throughput_output)
+    rs = await session.burst(batch, sz.throughput_output)
     raw["throughput"] = rs
     wall = max(r.finished_at for r in rs) - min(r.sent_at for r in rs)
     m[f"throughput x{sz.throughput_requests}: decode tok/s"] = decode_tok_s(rs)
@@ -77,7 +77,7 @@ def summarize(by_server: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
         means = {}
         for name in names:
             values = [r["metrics"][metric] for r in by_server[name]]
-            means[name], sd = h.mean_sd(values)
+            means[name], sd = results.mean_sd(values)
             row[name] = f"{means[name]:,.1f} ± {sd:,.1f}"
         if {"minivllm", "mlx-lm"} <= set(means):
             row["minivllm/mlx-lm"] = f"{means['minivllm'] / means['mlx-lm']:.2f}" if means["mlx-lm"] else "—"
@@ -86,24 +86,25 @@ def summarize(by_server: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
 
 
 async def run(args) -> None:
-    tokenizer = h.load_tokenizer(args.model)
+    tokenizer = prompts.load_tokenizer(args.model)
     sizes = QUICK if args.quick else Sizes()
-    specs = [h.spec_for(args, name, name=name) for name in args.servers]
-    by_server = await h.run_configs(specs, args.runs, lambda s, r: peer_run(s, r, tokenizer, sizes))
+    specs = [runner.spec_for(args, name, name=name) for name in args.servers]
+    by_server = await runner.run_configs(specs, args.runs, lambda s, r: peer_run(s, r, tokenizer, sizes))
     rows = summarize(by_server)
-    both = set(args.servers) == set(h.SERVER_NAMES)
+    both = set(args.servers) == set(servers.SERVER_NAMES)
     name = "peer" + ("" if both else "-" + "+".join(args.servers)) + ("-quick" if args.quick else "")
-    served = {s.name: str(h.served_model_dir(s)) for s in specs}
-    meta = h.metadata(args.model, args.page_size, servers=args.servers, served_models=served, runs=args.runs,
+    served = {s.name: str(servers.served_model_dir(s)) for s in specs}
+    meta = results.metadata(args.model, args.page_size, servers=args.servers, served_models=served, runs=args.runs,
                       env=args.env, sizes=vars(sizes))  # fmt: skip
-    paths = h.write_results(name, rows, meta, out_dir=args.out, raw=by_server, notes=NOTES)
+    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=by_server, notes=NOTES)
     if args.plot and both:
         ttft = [m for m in by_server[args.servers[0]][0]["metrics"] if "TTFT" in m]
         series = {
-            n: [h.mean_sd([r["metrics"][m] for r in by_server[n]])[0] for m in ttft] for n in args.servers
+            n: [results.mean_sd([r["metrics"][m] for r in by_server[n]])[0] for m in ttft]
+            for n in args.servers
         }
-        h.save_plot(name, ttft, series, "ms", out_dir=args.out)
-    h.print_report(paths)
+        results.save_plot(name, ttft, series, "ms", out_dir=args.out)
+    results.print_report(paths)
 
 
 NOTES = (
@@ -115,12 +116,12 @@ NOTES = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = h.base_parser(__doc__.splitlines()[0])
+    p = runner.base_parser(__doc__.splitlines()[0])
     p.add_argument(
-        "--servers", type=lambda s: s.split(","), default=list(h.SERVER_NAMES), help="comma-separated"
+        "--servers", type=lambda s: s.split(","), default=list(servers.SERVER_NAMES), help="comma-separated"
     )
-    args = h.parse_args(p, argv)
-    unknown = set(args.servers) - set(h.SERVER_NAMES)
+    args = runner.parse_args(p, argv)
+    unknown = set(args.servers) - set(servers.SERVER_NAMES)
     if unknown:
         p.error(f"unknown servers {sorted(unknown)}")
     asyncio.run(run(args))

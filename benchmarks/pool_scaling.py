@@ -13,9 +13,10 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.harness import base_parser, metadata, parse_args, print_report, result_name, write_results
+from benchmarks.harness.results import metadata, print_report, write_results
+from benchmarks.harness.runner import base_parser, parse_args, result_name
 from minivllm import LLM, SamplingParams
-from minivllm.backend import detect_backend
+from minivllm.models.backend import detect_backend
 
 
 def median_step_ms(llm: LLM, prompt: list[int], steps: int) -> float:

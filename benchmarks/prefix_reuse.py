@@ -12,31 +12,33 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from benchmarks import harness as h
+from benchmarks.harness import prompts, results, runner
 
 OVERLAPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 CONFIGS = {"cache-on": {"MINIVLLM_PREFIX_CACHE": "1"}, "cache-off": {"MINIVLLM_PREFIX_CACHE": "0"}}
 
 
-def build_prompts(tokenizer, n_tokens: int, run: int) -> tuple[h.Prompt, list[h.Prompt]]:
+def build_prompts(tokenizer, n_tokens: int, run: int) -> tuple[prompts.Prompt, list[prompts.Prompt]]:
     # Seeds depend on the run only, so cache-on and cache-off see the very same prompts.
-    seed = h.make_prompt(tokenizer, n_tokens, 10_000 * (run + 1))
+    seed = prompts.make_prompt(tokenizer, n_tokens, 10_000 * (run + 1))
     probes = [
-        h.make_prompt(tokenizer, n_tokens, 10_000 * (run + 1) + 1 + i, share=seed, fraction=f)
+        prompts.make_prompt(tokenizer, n_tokens, 10_000 * (run + 1) + 1 + i, share=seed, fraction=f)
         for i, f in enumerate(OVERLAPS)
     ]
     return seed, probes
 
 
-async def one_run(session: h.Session, run: int, tokenizer, n_tokens: int, max_tokens: int) -> dict[str, Any]:
+async def one_run(
+    session: runner.Session, run: int, tokenizer, n_tokens: int, max_tokens: int
+) -> dict[str, Any]:
     seed, probes = build_prompts(tokenizer, n_tokens, run)
     cold = await session.chat(seed.messages, max_tokens)
-    results = []
+    answers = []
     for probe in probes:  # one at a time: each probe measures reuse, not contention
-        results.append(await session.chat(probe.messages, max_tokens))
+        answers.append(await session.chat(probe.messages, max_tokens))
     return {
         "seed": cold,
-        "probes": results,
+        "probes": answers,
         "shared": [p.shared_tokens for p in probes],
         "client_tokens": [p.n_tokens for p in probes],  # if these differ from the server's, so may "expected"
     }
@@ -44,7 +46,7 @@ async def one_run(session: h.Session, run: int, tokenizer, n_tokens: int, max_to
 
 def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> list[dict[str, Any]]:
     off_ttft = {
-        f: h.mean_sd([r["probes"][i].ttft_s for r in by_config.get("cache-off", [])])[0]
+        f: results.mean_sd([r["probes"][i].ttft_s for r in by_config.get("cache-off", [])])[0]
         for i, f in enumerate(OVERLAPS)
     }
     rows = []
@@ -57,19 +59,19 @@ def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> lis
                 "prompt tokens": runs[0]["seed"].prompt_tokens,
                 "client tokens": None,
                 "shared tokens": None,
-                "restored": h.mean_sd([r["seed"].cached_tokens for r in runs])[0],
+                "restored": results.mean_sd([r["seed"].cached_tokens for r in runs])[0],
                 "expected": 0,
                 "rule holds": None,
-                "TTFT ms": h.fmt_ms([r["seed"].ttft_s for r in runs]),
+                "TTFT ms": results.fmt_ms([r["seed"].ttft_s for r in runs]),
             }
         )
         for i, f in enumerate(OVERLAPS):
             probes = [r["probes"][i] for r in runs]
             expected = [
-                h.expected_restore(r["shared"][i], p.prompt_tokens, page_size) if cache_on else 0
+                prompts.expected_restore(r["shared"][i], p.prompt_tokens, page_size) if cache_on else 0
                 for r, p in zip(runs, probes, strict=True)
             ]
-            ttft = h.mean_sd([p.ttft_s for p in probes])[0]
+            ttft = results.mean_sd([p.ttft_s for p in probes])[0]
             rows.append(
                 {
                     "cache": label,
@@ -77,34 +79,36 @@ def summarize(by_config: dict[str, list[dict[str, Any]]], page_size: int) -> lis
                     "prompt tokens": probes[0].prompt_tokens,
                     "client tokens": runs[0]["client_tokens"][i],
                     "shared tokens": runs[0]["shared"][i],
-                    "restored": h.mean_sd([p.cached_tokens for p in probes])[0],
+                    "restored": results.mean_sd([p.cached_tokens for p in probes])[0],
                     "expected": expected[0],
                     "rule holds": all(p.cached_tokens == e for p, e in zip(probes, expected, strict=True)),
-                    "TTFT ms": h.fmt_ms([p.ttft_s for p in probes]),
-                    "TTFT reduction % vs cache-off": h.reduction(off_ttft[f], ttft) if cache_on else None,
+                    "TTFT ms": results.fmt_ms([p.ttft_s for p in probes]),
+                    "TTFT reduction % vs cache-off": results.reduction(off_ttft[f], ttft)
+                    if cache_on
+                    else None,
                 }
             )
     return rows
 
 
 async def run(args) -> None:
-    tokenizer = h.load_tokenizer(args.model)
+    tokenizer = prompts.load_tokenizer(args.model)
     n_tokens, max_tokens = (
         (300, 8) if args.quick else (904, 16)
     )  # the seed article's size (the rule gives 896 restored)
-    specs = [h.spec_for(args, label, env) for label, env in CONFIGS.items()]
-    by_config = await h.run_configs(
+    specs = [runner.spec_for(args, label, env) for label, env in CONFIGS.items()]
+    by_config = await runner.run_configs(
         specs, args.runs, lambda s, r: one_run(s, r, tokenizer, n_tokens, max_tokens)
     )
     rows = summarize(by_config, args.page_size)
-    name = h.result_name("prefix_reuse", args)
-    meta = h.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
-    paths = h.write_results(name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES)
+    name = runner.result_name("prefix_reuse", args)
+    meta = results.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
+    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES)
     if args.plot:
         on = [r for r in rows if r["cache"] == "cache-on" and r["request"].startswith("probe")]
-        h.save_plot(name, [r["request"] for r in on], {"restored tokens": [r["restored"] for r in on]}, "tokens",
+        results.save_plot(name, [r["request"] for r in on], {"restored tokens": [r["restored"] for r in on]}, "tokens",
                     out_dir=args.out)  # fmt: skip
-    h.print_report(paths)
+    results.print_report(paths)
 
 
 NOTES = (
@@ -115,7 +119,7 @@ NOTES = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = h.parse_args(h.base_parser(__doc__.splitlines()[0]), argv)
+    args = runner.parse_args(runner.base_parser(__doc__.splitlines()[0]), argv)
     asyncio.run(run(args))
 
 

@@ -18,7 +18,7 @@ import asyncio
 import math
 from typing import Any
 
-from benchmarks import harness as h
+from benchmarks.harness import client, models, prompts, results, runner
 
 CONFIGS = {
     "independent": {"MINIVLLM_SINGLE_FLIGHT": "off", "MINIVLLM_PUBLICATION": "completion"},
@@ -33,19 +33,19 @@ POLICIES = ("s3fifo", "lru", "fifo")
 
 
 async def burst_run(
-    session: h.Session, run: int, tokenizer, bursts: tuple[int, ...], n_tokens: int, max_tokens: int
+    session: runner.Session, run: int, tokenizer, bursts: tuple[int, ...], n_tokens: int, max_tokens: int
 ):
     out = {}
     for i, n in enumerate(bursts):
-        prompt = h.make_prompt(tokenizer, n_tokens, 30_000 + 100 * run + i)  # cold for every burst
+        prompt = prompts.make_prompt(tokenizer, n_tokens, 30_000 + 100 * run + i)  # cold for every burst
         out[n] = await session.burst([prompt.messages] * n, max_tokens)
     return out
 
 
-def follower_restored(results: list[h.RequestResult]) -> float:
+def follower_restored(results: list[client.RequestResult]) -> float:
     # The client cannot see who led; the request that restored least did the computing.
     restored = sorted(r.cached_tokens for r in results)[1:]
-    return h.mean_sd(restored)[0] if restored else math.nan
+    return results.mean_sd(restored)[0] if restored else math.nan
 
 
 def summarize_bursts(
@@ -55,9 +55,9 @@ def summarize_bursts(
     for n in bursts:
         base = None
         for label, runs in by_config.items():
-            mean_ttft = [h.mean_sd([r.ttft_s for r in g[n]])[0] for g in runs]
+            mean_ttft = [results.mean_sd([r.ttft_s for r in g[n]])[0] for g in runs]
             slowest = [max(r.latency_s for r in g[n]) for g in runs]
-            m, s = h.mean_sd(mean_ttft)[0], h.mean_sd(slowest)[0]
+            m, s = results.mean_sd(mean_ttft)[0], results.mean_sd(slowest)[0]
             if label == "independent":
                 base = (m, s)
             rows.append(
@@ -65,15 +65,15 @@ def summarize_bursts(
                     "burst": n,
                     "strategy": label,
                     "prompt tokens": runs[0][n][0].prompt_tokens,
-                    "restored per follower": h.mean_sd([follower_restored(g[n]) for g in runs])[0],
-                    "mean TTFT ms": h.fmt_ms(mean_ttft),
-                    "max TTFT ms": h.fmt_ms([max(r.ttft_s for r in g[n]) for g in runs]),
-                    "slowest completion ms": h.fmt_ms(slowest),
-                    "mean TTFT reduction %": h.reduction(base[0], m)
+                    "restored per follower": results.mean_sd([follower_restored(g[n]) for g in runs])[0],
+                    "mean TTFT ms": results.fmt_ms(mean_ttft),
+                    "max TTFT ms": results.fmt_ms([max(r.ttft_s for r in g[n]) for g in runs]),
+                    "slowest completion ms": results.fmt_ms(slowest),
+                    "mean TTFT reduction %": results.reduction(base[0], m)
                     if base and label != "independent"
                     else None,
                     "slowest completion reduction %": (
-                        h.reduction(base[1], s) if base and label != "independent" else None
+                        results.reduction(base[1], s) if base and label != "independent" else None
                     ),
                 }
             )
@@ -84,19 +84,20 @@ async def run_bursts(args, tokenizer) -> tuple[list[dict[str, Any]], Any]:
     bursts, n_tokens, max_tokens = (
         ((2,), 200, 16) if args.quick else ((2, 4, 8), 532, 128)
     )  # the seed article: 532 -> 528 restored
-    specs = [h.spec_for(args, label, env) for label, env in CONFIGS.items()]
-    by_config = await h.run_configs(
+    specs = [runner.spec_for(args, label, env) for label, env in CONFIGS.items()]
+    by_config = await runner.run_configs(
         specs, args.runs, lambda s, r: burst_run(s, r, tokenizer, bursts, n_tokens, max_tokens)
     )
     if args.plot:
         series = {
             label: [
-                h.mean_sd([h.mean_sd([r.ttft_s for r in g[n]])[0] for g in runs])[0] * 1e3 for n in bursts
+                results.mean_sd([results.mean_sd([r.ttft_s for r in g[n]])[0] for g in runs])[0] * 1e3
+                for n in bursts
             ]
             for label, runs in by_config.items()
         }
-        name = h.result_name("single_flight", args)
-        h.save_plot(name, [f"burst {n}" for n in bursts], series, "mean TTFT (ms)", out_dir=args.out)
+        name = runner.result_name("single_flight", args)
+        results.save_plot(name, [f"burst {n}" for n in bursts], series, "mean TTFT (ms)", out_dir=args.out)
     return summarize_bursts(by_config, bursts), by_config
 
 
@@ -107,7 +108,7 @@ def churn_pool(args, n_tokens: int, max_tokens: int) -> dict[str, int]:
     """A pool of 3 requests' pages, and enough distinct prompts to demand 3x that: fill once, overflow twice."""
     pages_per_prompt = math.ceil((n_tokens + max_tokens) / args.page_size)
     pool_pages = 3 * pages_per_prompt
-    page_bytes = args.page_size * h.kv_bytes_per_token(args.model, args.kv_dtype_bytes)
+    page_bytes = args.page_size * models.kv_bytes_per_token(args.model, args.kv_dtype_bytes)
     return {
         "pages per request": pages_per_prompt,
         "pool pages": pool_pages,
@@ -117,9 +118,11 @@ def churn_pool(args, n_tokens: int, max_tokens: int) -> dict[str, int]:
 
 
 async def churn_run(
-    session: h.Session, run: int, tokenizer, pool: dict[str, int], n_tokens: int, max_tokens: int
+    session: runner.Session, run: int, tokenizer, pool: dict[str, int], n_tokens: int, max_tokens: int
 ):
-    prompts = [h.make_prompt(tokenizer, n_tokens, 40_000 + 1000 * run + i) for i in range(pool["requests"])]
+    prompts = [
+        prompts.make_prompt(tokenizer, n_tokens, 40_000 + 1000 * run + i) for i in range(pool["requests"])
+    ]
     before = session.metrics()
     results, errors = [], []
     for p in [*prompts, prompts[0]]:  # one at a time, then revisit the first (long evicted) prefix
@@ -146,10 +149,12 @@ def summarize_churn(by_policy: dict[str, list[dict[str, Any]]], pool: dict[str, 
                 "restored (distinct, expected 0)": sum(
                     r.cached_tokens for g in runs for r in g["results"][:-1]
                 ),
-                "restored on revisit of first": h.mean_sd([g["results"][-1].cached_tokens for g in runs])[0],
-                "pages evicted": h.mean_sd(evicted)[0] if evicted else None,
+                "restored on revisit of first": results.mean_sd(
+                    [g["results"][-1].cached_tokens for g in runs]
+                )[0],
+                "pages evicted": results.mean_sd(evicted)[0] if evicted else None,
                 "errors": sum(len(g["errors"]) for g in runs),
-                "mean TTFT ms": h.fmt_ms([r.ttft_s for g in runs for r in g["results"]]),
+                "mean TTFT ms": results.fmt_ms([r.ttft_s for g in runs for r in g["results"]]),
             }
         )
     return rows
@@ -159,8 +164,8 @@ async def run_churn(args, tokenizer) -> tuple[list[dict[str, Any]], Any]:
     n_tokens, max_tokens = (64, 8) if args.quick else (530, 16)
     pool = churn_pool(args, n_tokens, max_tokens)
     env = {"MINIVLLM_KV_CACHE_BYTES": str(pool["kv cache bytes"]), "MINIVLLM_PREFIX_CACHE": "1"}
-    specs = [h.spec_for(args, f"churn-{p}", {**env, "MINIVLLM_EVICTION": p}) for p in args.evictions]
-    by_policy = await h.run_configs(
+    specs = [runner.spec_for(args, f"churn-{p}", {**env, "MINIVLLM_EVICTION": p}) for p in args.evictions]
+    by_policy = await runner.run_configs(
         specs, args.runs, lambda s, r: churn_run(s, r, tokenizer, pool, n_tokens, max_tokens)
     )
     return summarize_churn(by_policy, pool), by_policy
@@ -183,16 +188,16 @@ NOTES = {
 
 
 async def run(args) -> None:
-    tokenizer = h.load_tokenizer(args.model)
+    tokenizer = prompts.load_tokenizer(args.model)
     rows, raw = await (run_churn if args.scenario == "churn" else run_bursts)(args, tokenizer)
-    name = h.result_name("single_flight" + ("_churn" if args.scenario == "churn" else ""), args)
-    meta = h.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
-    paths = h.write_results(name, rows, meta, out_dir=args.out, raw=raw, notes=NOTES[args.scenario])
-    h.print_report(paths)
+    name = runner.result_name("single_flight" + ("_churn" if args.scenario == "churn" else ""), args)
+    meta = results.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
+    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=raw, notes=NOTES[args.scenario])
+    results.print_report(paths)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = h.base_parser(__doc__.splitlines()[0])
+    p = runner.base_parser(__doc__.splitlines()[0])
     p.add_argument("--scenario", choices=("bursts", "churn"), default="bursts")
     p.add_argument("--evictions", type=lambda s: s.split(","), default=list(POLICIES), help="churn: policies")
     p.add_argument(
@@ -201,9 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="churn: KV bytes per element (default: 4 on CPU, else 2)",
     )
-    args = h.parse_args(p, argv)
+    args = runner.parse_args(p, argv)
     if args.kv_dtype_bytes is None:
-        args.kv_dtype_bytes = 4 if h.is_cpu_backend() else 2  # minivllm runs float32 on CPU
+        args.kv_dtype_bytes = 4 if models.is_cpu_backend() else 2  # minivllm runs float32 on CPU
     asyncio.run(run(args))
 
 

@@ -19,17 +19,10 @@ from mlx_lm.generate import batch_generate, stream_generate
 from mlx_lm.utils import dequantize_model
 from tqdm import tqdm
 
-from benchmarks.harness import (
-    base_parser,
-    mean_sd,
-    metadata,
-    parse_args,
-    print_report,
-    result_name,
-    write_results,
-)
+from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
+from benchmarks.harness.runner import base_parser, parse_args, result_name
 from minivllm import LLM, SamplingParams
-from minivllm.backend import detect_backend
+from minivllm.models.backend import detect_backend
 
 
 def prompt_ids(tokenizer, n: int, seed: int) -> list[int]:

@@ -1,10 +1,10 @@
-"""Command line: `minivllm generate | serve | convert | replay`."""
+"""The engine's commands: `minivllm generate | convert | replay` (`serve` is added by server.cli)."""
 
 import argparse
 import logging
 import sys
 
-from minivllm import backend as _backend  # noqa: F401  (OpenBLAS before mlx)
+from minivllm.models import backend as _backend  # noqa: F401  (OpenBLAS before mlx)
 
 
 def generate_main(argv: list[str]) -> int:
@@ -22,8 +22,8 @@ def generate_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from minivllm.config import EngineConfig
-    from minivllm.engine import LLMEngine
-    from minivllm.sampling_params import SamplingParams
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed)
@@ -60,7 +60,7 @@ def convert_main(argv: list[str]) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     args = p.parse_args(argv)
-    from minivllm.gguf_import import GGUFError, convert_gguf
+    from minivllm.models.gguf_import import GGUFError, convert_gguf
 
     try:
         out = convert_gguf(args.gguf, args.out_dir, bits=args.bits, group_size=args.group_size)
@@ -77,22 +77,16 @@ def replay_main(argv: list[str]) -> int:
     return main(argv)
 
 
-def serve_main(argv: list[str]) -> int:
-    from server.settings import serve_main as main
-
-    return main(argv)
+COMMANDS = {"generate": generate_main, "convert": convert_main, "replay": replay_main}
 
 
-COMMANDS = {"generate": generate_main, "serve": serve_main, "convert": convert_main, "replay": replay_main}
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: dict = COMMANDS) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: minivllm {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+    if not argv or argv[0] not in commands:
+        print(f"usage: minivllm {{{','.join(commands)}}} ...", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return COMMANDS[argv[0]](argv[1:])
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
-from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import TokenLogprob
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sequence import TokenLogprob
 
 
 @dataclass

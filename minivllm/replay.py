@@ -8,7 +8,7 @@ resident from index 0 up to the first miss, checked *before* the request
 touches the cache; hit tokens += min(k * block_size, input_length). Then every
 block of the request is accessed against the policy in order.
 
-Policies: "s3fifo", "lru", "fifo" come from :mod:`minivllm.eviction` (the very
+Policies: "s3fifo", "lru", "fifo" come from :mod:`minivllm.cache.eviction` (the very
 classes the engine runs); "belady" (offline optimum) and "infinite" (never
 evicts) live here because they need the whole trace.
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minivllm.eviction import POLICIES, make_policy
+from minivllm.cache.eviction import POLICIES, make_policy
 
 logger = logging.getLogger(__name__)
 

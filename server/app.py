@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from minivllm.async_engine import AsyncEngine
+from minivllm.engine.async_engine import AsyncEngine
 from server import protocol as p
 from server.completions import (
     ChatFormat,

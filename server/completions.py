@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minivllm.async_engine import AsyncEngine
-from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import TokenLogprob
+from minivllm.engine.async_engine import AsyncEngine
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
 from server.errors import APIError, ClientDisconnected, error_body
 from server.generation import Delta, Generation

@@ -11,10 +11,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from minivllm.async_engine import AsyncEngine
-from minivllm.engine import QueueFull, RequestOutput
-from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import TokenLogprob
+from minivllm.engine.async_engine import AsyncEngine
+from minivllm.engine.llm_engine import QueueFull, RequestOutput
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sequence import TokenLogprob
 from server.errors import APIError
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,11 @@
 """Server settings: one table maps each setting to its environment variable, its CLI flag and EngineConfig.
 
 `Settings.from_env()` reads the environment once; `add_serve_arguments` / `settings_from_args` build the
-`minivllm serve` flags from the same table, and `serve_main(argv)` runs the server with them.
+`minivllm serve` flags from the same table (server.serve runs the server with them).
 """
 
 import argparse
-import logging
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass
 
@@ -244,30 +242,3 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         if raw is not None:
             values[o.name] = _parse(o, raw, o.flag)
     return Settings(**values).validated()
-
-
-def serve_main(argv: list[str] | None = None) -> int:
-    """`minivllm serve`: parse flags, validate, run uvicorn on the app. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="minivllm serve", description="OpenAI-compatible minivllm server")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        settings = settings_from_args(args)
-    except SettingsError as e:
-        print(f"minivllm serve: error: {e}", file=sys.stderr)
-        return 2
-    import uvicorn
-
-    from server.app import create_app
-
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(serve_main())

@@ -13,7 +13,7 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import dequantize_model
 
-from minivllm.backend import detect_backend
+from minivllm.models.backend import detect_backend
 
 
 class MlxLmReference:

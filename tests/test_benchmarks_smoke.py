@@ -7,31 +7,32 @@ import asyncio
 import json
 import math
 
+import httpx
 import pytest
 
-from benchmarks import harness as h
+from benchmarks.harness import client, models, prompts, results, servers
 
 SERVER = "mlx-lm"
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    return h.load_tokenizer(tiny_model_dir)
+    return prompts.load_tokenizer(tiny_model_dir)
 
 
 def test_running_server_and_stream_chat(tiny_model_dir, tokenizer):
-    prompt = h.make_prompt(tokenizer, 120, seed=1)
+    prompt = prompts.make_prompt(tokenizer, 120, seed=1)
 
-    async def go(server: h.Server) -> list[h.RequestResult]:
-        client = h.make_client(server)
+    async def go(server: servers.Server) -> list[client.RequestResult]:
+        api = client.make_client(server.api_url)
         try:
-            first = await h.stream_chat(client, prompt.messages, 8, model=server.model_id)
-            again = await h.stream_chat(client, prompt.messages, 8, model=server.model_id)
+            first = await client.stream_chat(api, prompt.messages, 8, model=server.model_id)
+            again = await client.stream_chat(api, prompt.messages, 8, model=server.model_id)
             return [first, again]
         finally:
-            await client.close()
+            await api.close()
 
-    with h.running_server(h.ServerSpec(SERVER, tiny_model_dir, label="smoke")) as server:
+    with servers.running_server(servers.ServerSpec(SERVER, tiny_model_dir, label="smoke")) as server:
         proc_url = server.base_url
         results = asyncio.run(go(server))
     for r in results:
@@ -41,44 +42,44 @@ def test_running_server_and_stream_chat(tiny_model_dir, tokenizer):
     assert results[1].cached_tokens > 0  # the peer reuses an identical prompt
     assert server.log_path.exists()
     with pytest.raises(Exception):  # noqa: B017  the server is gone once the block exits
-        h.httpx.get(proc_url + "/v1/models", timeout=2.0)
+        httpx.get(proc_url + "/v1/models", timeout=2.0)
 
 
 def test_running_server_reports_a_dying_server(tiny_model_dir):
-    spec = h.ServerSpec(SERVER, tiny_model_dir, label="smoke-dies", extra_args=["--no-such-flag"])
+    spec = servers.ServerSpec(SERVER, tiny_model_dir, label="smoke-dies", extra_args=["--no-such-flag"])
     with pytest.raises(RuntimeError, match="exited with code") as info:
-        with h.running_server(spec):
+        with servers.running_server(spec):
             pass
     assert "no-such-flag" in str(info.value)  # the log tail says why
 
 
 @pytest.mark.parametrize("n_tokens", [64, 300, 900])
 def test_make_prompt_hits_its_length(tokenizer, n_tokens):
-    prompt = h.make_prompt(tokenizer, n_tokens, seed=n_tokens)
+    prompt = prompts.make_prompt(tokenizer, n_tokens, seed=n_tokens)
     assert n_tokens - 3 <= prompt.n_tokens <= n_tokens
-    assert prompt.token_ids == h.chat_token_ids(tokenizer, prompt.messages)
+    assert prompt.token_ids == prompts.chat_token_ids(tokenizer, prompt.messages)
 
 
 def test_make_prompt_shares_a_fraction_of_a_prefix(tokenizer):
-    seed = h.make_prompt(tokenizer, 600, seed=7)
-    other = h.make_prompt(tokenizer, 600, seed=8)
-    assert h._common_prefix(seed.token_ids, other.token_ids) < 16  # distinct seeds: not one whole page
+    seed = prompts.make_prompt(tokenizer, 600, seed=7)
+    other = prompts.make_prompt(tokenizer, 600, seed=8)
+    assert prompts._common_prefix(seed.token_ids, other.token_ids) < 16  # distinct seeds: not one whole page
     for fraction in (0.25, 0.5, 0.75):
-        probe = h.make_prompt(tokenizer, 600, seed=9, share=seed, fraction=fraction)
+        probe = prompts.make_prompt(tokenizer, 600, seed=9, share=seed, fraction=fraction)
         assert abs(probe.shared_tokens - fraction * seed.n_tokens) <= 3
         assert probe.token_ids[: probe.shared_tokens] == seed.token_ids[: probe.shared_tokens]
-    same = h.make_prompt(tokenizer, 600, seed=9, share=seed, fraction=1.0)
+    same = prompts.make_prompt(tokenizer, 600, seed=9, share=seed, fraction=1.0)
     assert same.token_ids == seed.token_ids
-    assert h.expected_restore(same.shared_tokens, same.n_tokens, 16) == (seed.n_tokens - 1) // 16 * 16
+    assert prompts.expected_restore(same.shared_tokens, same.n_tokens, 16) == (seed.n_tokens - 1) // 16 * 16
 
 
 def test_write_results_writes_json_and_markdown(tiny_model_dir, tmp_path):
-    meta = h.metadata(tiny_model_dir, page_size=16, runs=1)
+    meta = results.metadata(tiny_model_dir, page_size=16, runs=1)
     rows = [
-        {"config": "a", "TTFT ms": h.fmt_ms([0.1, 0.2]), "restored": 16.0},
+        {"config": "a", "TTFT ms": results.fmt_ms([0.1, 0.2]), "restored": 16.0},
         {"config": "b", "restored": math.nan},
     ]
-    json_path, md_path = h.write_results("smoke", rows, meta, out_dir=tmp_path, raw={"r": [h.RequestResult(
+    json_path, md_path = results.write_results("smoke", rows, meta, out_dir=tmp_path, raw={"r": [client.RequestResult(
         0.1, 0.2, 10, 2, 0, "hi", 0.0, 0.1, 0.2)]})  # fmt: skip
     data = json.loads(json_path.read_text())
     assert data["rows"][0]["config"] == "a" and data["raw"]["r"][0]["ttft_s"] == 0.1
@@ -95,12 +96,12 @@ def test_float32_copy_dequantizes_for_the_peer(tiny_model_dir, tmp_path):
 
     q4 = tmp_path / "tiny-q4"
     convert(str(tiny_model_dir), str(q4), quantize=True, q_bits=4, q_group_size=64)
-    assert h.model_dtype(q4).startswith("4-bit")
-    f32 = h.float32_copy(q4)
-    assert f32 == tmp_path / "tiny-q4-float32" and h.model_dtype(f32) == "F32"
+    assert models.model_dtype(q4).startswith("4-bit")
+    f32 = models.float32_copy(q4)
+    assert f32 == tmp_path / "tiny-q4-float32" and models.model_dtype(f32) == "F32"
     assert "quantization" not in json.loads((f32 / "config.json").read_text())
     assert (f32 / "tokenizer_config.json").exists()
-    assert h.float32_copy(q4) == f32  # cached
-    if h.is_cpu_backend():
-        assert h.served_model_dir(h.ServerSpec("mlx-lm", q4)) == f32
-    assert h.served_model_dir(h.ServerSpec("minivllm", q4)) == q4
+    assert models.float32_copy(q4) == f32  # cached
+    if models.is_cpu_backend():
+        assert servers.served_model_dir(servers.ServerSpec("mlx-lm", q4)) == f32
+    assert servers.served_model_dir(servers.ServerSpec("minivllm", q4)) == q4

@@ -6,7 +6,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.cli import main
-from minivllm.loader import resolve_model
+from minivllm.models.loader import resolve_model
 from tests.test_gguf_import import write_tiny_gguf
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from minivllm.default_model import COMPLETE_MARKER, default_model_dir
+from minivllm.models.default_model import COMPLETE_MARKER, default_model_dir
 
 
 @pytest.mark.slow

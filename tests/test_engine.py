@@ -6,7 +6,7 @@ import random
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from tests.reference import MlxLmReference
 
 
@@ -211,7 +211,7 @@ def test_4bit_checkpoint_matches_mlx_lm(tiny_model_dir, tmp_path):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, reference, monkeypatch):
-    import minivllm.model_runner as runner_module
+    import minivllm.engine.model_runner as runner_module
 
     engine = LLMEngine(_config(tiny_model_dir, kv_cache_bytes=4 << 20))
     warm = random_prompts([40], seed=10)[0]

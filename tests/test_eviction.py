@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from minivllm.eviction import FIFO, LRU, POLICIES, S3FIFO, make_policy
+from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, make_policy
 
 
 def state(p: S3FIFO):

@@ -11,8 +11,8 @@ import pytest
 from gguf.constants import GGMLQuantizationType, TokenType
 from tokenizers import pre_tokenizers
 
-from minivllm import default_model as dm
-from minivllm.gguf_import import GGUFError, convert_gguf, llama_permute, llama_unpermute
+from minivllm.models import default_model as dm
+from minivllm.models.gguf_import import GGUFError, convert_gguf, llama_permute, llama_unpermute
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 2, 320
 HEAD_DIM = HIDDEN // HEADS

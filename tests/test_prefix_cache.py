@@ -4,9 +4,9 @@ import pytest
 import xxhash
 
 from minivllm import EngineConfig, SamplingParams
-from minivllm.engine import LLMEngine
-from minivllm.eviction import make_policy
-from minivllm.page_pool import PagePool
+from minivllm.cache.eviction import make_policy
+from minivllm.cache.page_pool import PagePool
+from minivllm.engine.llm_engine import LLMEngine
 from tests.test_engine import random_prompts
 
 PAGE_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # one page of the tiny model in float32
@@ -118,7 +118,9 @@ def test_every_policy_keeps_the_page_states_consistent(tiny_model_dir, policy):
 
 def test_a_hash_collision_is_caught_by_the_token_comparison(tiny_model_dir, monkeypatch):
     # every page of the same index collides: the hash ignores the tokens
-    monkeypatch.setattr("minivllm.page_hash.hash_page", lambda parent, tokens: xxhash.xxh3_128_digest(parent))
+    monkeypatch.setattr(
+        "minivllm.cache.page_hash.hash_page", lambda parent, tokens: xxhash.xxh3_128_digest(parent)
+    )
     engine = make_engine(tiny_model_dir)
     a, b = random_prompts([64, 64], seed=7)
     seq_a = generate(engine, "a", a)

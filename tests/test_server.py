@@ -14,7 +14,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import create_app
-from server.settings import Settings, SettingsError, add_serve_arguments, serve_main, settings_from_args
+from server.serve import serve_main
+from server.settings import Settings, SettingsError, add_serve_arguments, settings_from_args
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Paged attention stores keys and values"}]

@@ -3,9 +3,9 @@
 import pytest
 
 from minivllm import EngineConfig, SamplingParams
-from minivllm.engine import LLMEngine
-from minivllm.sequence import Sequence
-from minivllm.single_flight import FlightCoordinator
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.sequence import Sequence
+from minivllm.engine.single_flight import FlightCoordinator
 from tests.test_engine import random_prompts
 
 N = 100

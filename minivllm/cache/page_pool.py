@@ -4,7 +4,7 @@ Every page is in exactly one state:
   free    refcount 0, no hash, on the free list;
   in use  refcount > 0 (it may also be published, i.e. shared through the index);
   cached  refcount 0, published: reusable by a later request with the same prefix, evictable.
-The eviction policy (minivllm.eviction, the same classes the trace replay uses) tracks published pages
+The eviction policy (minivllm.cache.eviction, the same classes the trace replay uses) tracks published pages
 by hash and decides which cached page to give up.
 """
 
@@ -12,7 +12,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from minivllm.eviction import EvictionPolicy
+from minivllm.cache.eviction import EvictionPolicy
 
 logger = logging.getLogger(__name__)
 

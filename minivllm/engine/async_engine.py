@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.engine.llm_engine import LLMEngine, RequestOutput
+from minivllm.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

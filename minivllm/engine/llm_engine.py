@@ -9,15 +9,15 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from minivllm.backend import detect_backend
+from minivllm.cache.eviction import make_policy
+from minivllm.cache.page_pool import PagePool
 from minivllm.config import EngineConfig
-from minivllm.eviction import make_policy
-from minivllm.loader import activation_dtype, load_model
-from minivllm.model_runner import KVGeometry, ModelRunner
-from minivllm.page_pool import PagePool
-from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
-from minivllm.sequence import Sequence, TokenLogprob
+from minivllm.engine.model_runner import KVGeometry, ModelRunner
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.models.backend import detect_backend
+from minivllm.models.loader import activation_dtype, load_model
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import mlx.nn as nn
 import numpy as np
 
 from kernels.paged_attention import build_layout
+from minivllm.engine.sampler import log_softmax, sample
+from minivllm.engine.sequence import Sequence, TokenLogprob
 from minivllm.models.qwen2 import KVPools, forward
-from minivllm.sampler import log_softmax, sample
-from minivllm.sequence import Sequence, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ output position, so a seeded request is reproducible whatever batch it shares a 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams
 
 
 def sample(

@@ -10,10 +10,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from minivllm.cache.page_pool import PagePool
 from minivllm.config import EngineConfig
-from minivllm.page_pool import PagePool
-from minivllm.sequence import Sequence, SequenceStatus
-from minivllm.single_flight import FlightCoordinator
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.single_flight import FlightCoordinator
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from minivllm.page_hash import extend_page_hashes
-from minivllm.sampling_params import SamplingParams
+from minivllm.cache.page_hash import extend_page_hashes
+from minivllm.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

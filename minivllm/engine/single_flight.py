@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from minivllm.sequence import Sequence
+from minivllm.engine.sequence import Sequence
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from minivllm.gguf_import import GGUFError, convert_gguf
+from minivllm.models.gguf_import import GGUFError, convert_gguf
 
 logger = logging.getLogger(__name__)
 

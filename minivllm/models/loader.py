@@ -18,7 +18,7 @@ from mlx.utils import tree_map
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 
-from minivllm.backend import Backend, detect_backend
+from minivllm.models.backend import Backend, detect_backend
 from minivllm.models.qwen2 import check_supported
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def cache_dir() -> Path:
 def resolve_model(ref: str | None) -> str:
     """Return a local directory or a repo id mlx_lm.load accepts; raise for what cannot be a model."""
     if ref is None or ref == "default":
-        from minivllm.default_model import default_model_dir
+        from minivllm.models.default_model import default_model_dir
 
         return str(default_model_dir())
     path = Path(ref).expanduser()
@@ -52,7 +52,7 @@ def resolve_model(ref: str | None) -> str:
 
 
 def _converted_gguf(path: Path) -> Path:
-    from minivllm.gguf_import import convert_gguf
+    from minivllm.models.gguf_import import convert_gguf
 
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

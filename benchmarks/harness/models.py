@@ -1,0 +1,94 @@
+"""The model a benchmark runs: where it is, how it is stored, a float32 copy for the peer server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+
+
+def is_cpu_backend() -> bool:
+    from minivllm.models.backend import detect_backend
+
+    return not detect_backend().is_gpu
+
+
+def resolve_model(arg: str | None) -> Path:
+    if arg:
+        return Path(arg).expanduser().resolve()
+    from minivllm.models.default_model import (
+        default_model_dir,  # written elsewhere; only needed without --model
+    )
+
+    return Path(default_model_dir())
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def is_quantized(model_dir: Path) -> bool:
+    cfg = _config(model_dir)
+    return "quantization" in cfg or "quantization_config" in cfg
+
+
+def _safetensors_dtypes(model_dir: Path) -> dict[str, int]:
+    # Read only the JSON headers: the dtype census of a 2 GB model costs microseconds.
+    counts: dict[str, int] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                counts[info["dtype"]] = counts.get(info["dtype"], 0) + 1
+    return counts
+
+
+def model_dtype(model_dir: Path) -> str:
+    q = _config(model_dir).get("quantization")
+    dtypes = "+".join(sorted(_safetensors_dtypes(model_dir))) or "?"
+    return f"{q.get('bits')}-bit (group {q.get('group_size')}), tensors {dtypes}" if q else dtypes
+
+
+def float32_copy(model_dir: Path) -> Path:
+    """A dequantized float32 copy of model_dir, written once as `<dir>-float32` and reused."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model, load_model, save_config, save_model
+
+    model_dir = Path(model_dir).resolve()
+    dst = model_dir.with_name(model_dir.name + "-float32")
+    if (dst / "config.json").exists():
+        return dst
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, config = load_model(model_dir)
+    model = dequantize_model(model)
+    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    save_model(tmp, model)
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)
+    config["torch_dtype"] = "float32"
+    save_config(config, tmp / "config.json")
+    for f in model_dir.iterdir():  # tokenizer, chat template, generation config
+        if (
+            f.is_file()
+            and f.suffix != ".safetensors"
+            and f.name not in ("config.json", "model.safetensors.index.json")
+        ):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(dst)  # atomic: a half-written copy is never mistaken for a finished one
+    return dst
+
+
+def kv_bytes_per_token(model_dir: Path, dtype_bytes: int) -> int:
+    cfg = _config(model_dir)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes

@@ -1,0 +1,194 @@
+"""The architecture as a test: imports point down only, and no module imports itself back.
+
+Each project unit may import only the units listed for it (the same rules its `__init__` docstring states);
+a module-level import cycle anywhere fails too. Imports inside functions count (a lazy import is still a
+dependency); imports under `if TYPE_CHECKING:` do not (they never run).
+"""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("kernels", "minivllm", "server")
+
+# unit -> the units it may import (a unit is a package prefix; the longest matching prefix applies)
+RULES: dict[str, set[str]] = {
+    "kernels": set(),
+    "minivllm.config": set(),
+    "minivllm.cache": set(),
+    "minivllm.models": {"kernels"},
+    "minivllm.engine": {"minivllm.cache", "minivllm.models", "minivllm.config", "kernels"},
+    "minivllm": {"minivllm", "kernels"},  # the entry points: llm, cli, replay, the package itself
+    "server": {"server", "minivllm", "kernels"},
+}
+
+
+def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under the given top-level packages."""
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST):
+    """Every import statement, skipping `if TYPE_CHECKING:` bodies."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports (a `from pkg import sub` of a submodule points at the submodule)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a non-module attribute
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def unit_of(module: str, rules: dict[str, set[str]]) -> str | None:
+    matches = [u for u in rules if module == u or module.startswith(u + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def layering_violations(graph: dict[str, set[str]], rules: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, targets in sorted(graph.items()):
+        unit = unit_of(module, rules)
+        for target in sorted(targets):
+            target_unit = unit_of(target, rules)
+            if target_unit is None or target_unit == unit:
+                continue
+            allowed = rules[unit]
+            if not any(target_unit == a or target_unit.startswith(a + ".") for a in allowed):
+                out.append(f"{module} imports {target} ({unit} may import only {sorted(allowed)})")
+    return out
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def check_tree(root: Path, packages: tuple[str, ...], rules: dict[str, set[str]]) -> list[str]:
+    modules = module_files(root, packages)
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    problems = layering_violations(graph, rules)
+    problems += [f"import cycle: {' <-> '.join(c)}" for c in import_cycles(graph)]
+    return problems
+
+
+# -- the project ------------------------------------------------------------------------------------------
+def test_the_project_imports_point_down_only_without_cycles():
+    assert check_tree(REPO, PACKAGES, RULES) == []
+
+
+def test_every_folder_says_what_lives_there():
+    for init in sorted((REPO / "minivllm").rglob("__init__.py")) + [REPO / "kernels" / "__init__.py"]:
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "import" in doc, (
+            f"{init.relative_to(REPO)} needs a docstring saying what it may import"
+        )
+
+
+# -- the checker itself, on synthetic trees ----------------------------------------------------------------
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+SYNTHETIC_RULES = {"app": {"app", "core"}, "core": set()}
+
+
+def test_checker_passes_a_clean_tree(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "core/__init__.py": "",
+            "core/util.py": "import os\n",
+            "core/model.py": "from core.util import os\nfrom . import util\n",
+            "app/__init__.py": "from core import model\n",
+            "app/main.py": "import core.model\nfrom app import helpers\n",
+            "app/helpers.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.main import x\n",
+        },
+    )
+    assert check_tree(tmp_path, ("app", "core"), SYNTHETIC_RULES) == []
+
+
+def test_checker_finds_a_cycle_and_an_upward_import(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "core/__init__.py": "",
+            "core/model.py": "def load():\n    from app.main import run  # upward, even when lazy\n",
+            "app/__init__.py": "",
+            "app/main.py": "from app.settings import x\n",
+            "app/settings.py": "from . import main\n",  # app.main -> app.settings -> app.main
+        },
+    )
+    problems = check_tree(tmp_path, ("app", "core"), SYNTHETIC_RULES)
+    assert "import cycle: app.main <-> app.settings" in problems
+    assert any(p.startswith("core.model imports app.main") for p in problems)
+    assert len(problems) == 2
