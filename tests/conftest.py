@@ -9,9 +9,16 @@ import minivllm  # noqa: E402, F401  (loads OpenBLAS before anything imports mlx
 # isort: split
 import pytest
 
+from tests.reference import MlxLmReference
 from tests.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """mlx-lm's greedy outputs for the tiny model: what every engine configuration must reproduce."""
+    return MlxLmReference(tiny_model_dir)

@@ -61,10 +61,11 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("engine thread did not stop within %.0f s", timeout)
+        self._close_streams("server shutting down")
+
+    def _close_streams(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.put_nowait(
-                RequestOutput(rid, [], finished=True, finish_reason="abort", error="server shutting down")
-            )
+            stream.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="abort", error=reason))
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(
@@ -91,9 +92,11 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and accepted.done() and accepted.exception() is None:
-                self._inbox.put(_Abort(request_id))
-            elif not accepted.done():
+            refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
+            if not finished and not refused:
+                # Cancelled at any await point, even after the engine took the request but before its
+                # acceptance arrived here: the abort follows the add through the same queue, and the
+                # engine ignores an abort for an id it does not hold.
                 accepted.cancel()
                 self._inbox.put(_Abort(request_id))
 
@@ -105,16 +108,22 @@ class AsyncEngine:
     # -- the stepping thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
-            block = not self.engine.has_unfinished_requests()
             try:
-                self._drain_inbox(block)
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-            except Exception:  # the loop must survive anything a request does
-                logger.exception("engine loop error")
-                continue
-            self.stats_snapshot = self.engine.stats()
-            for out in outputs:
-                self._loop.call_soon_threadsafe(self._deliver, out)
+            except Exception as e:  # LLMEngine.step handles its own faults: this is the last resort
+                logger.exception("engine loop error; failing every request")
+                try:
+                    outputs = self.engine.fail(list(self.engine.requests.values()), e)
+                except Exception:
+                    logger.exception("the engine cannot recover; stopping it")
+                    self._loop.call_soon_threadsafe(self._close_streams, f"engine stopped: {e}")
+                    return
+            self._send(outputs)  # first: nothing below may hold a stream back
+            try:
+                self.stats_snapshot = self.engine.stats()
+            except Exception:
+                logger.exception("engine stats failed; /metrics keeps the previous snapshot")
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -126,7 +135,18 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 self._add(item)
             elif isinstance(item, _Abort) and item.request_id in self.engine.requests:
-                self.engine.abort_request(item.request_id)  # ids already finished need no abort
+                self._abort(item.request_id)  # ids already finished need no abort
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception as e:  # fail the request instead: it must not run on with nobody listening
+            logger.exception("abort of %s failed", request_id)
+            self._send(self.engine.fail([self.engine.requests[request_id]], e))
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._loop.call_soon_threadsafe(self._deliver, out)
 
     def _add(self, item: _Add) -> None:
         if item.accepted.cancelled():

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass, field
 
 from minivllm.cache.eviction import make_policy
-from minivllm.cache.page_pool import PagePool
+from minivllm.cache.page_pool import PagePool, PoolCounters
 from minivllm.config import EngineConfig
 from minivllm.engine.model_runner import KVGeometry, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ class RequestOutput:
     num_pages_published: int = 0
     num_output_tokens: int = 0
     flight_role: str | None = None
-    error: str | None = None
+    error: str | None = None  # why it ended, when the finish reason alone does not say
 
 
 class LLMEngine:
@@ -53,8 +53,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
-        num_pages = self._num_pages(geometry)
-        self.pool = PagePool(num_pages, config.page_size, make_policy(config.eviction, num_pages))
+        self.num_pages = num_pages = self._num_pages(geometry)
+        self.pool = self._new_pool()
         self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(config, self.pool, self.eos_token_ids, self.max_model_len)
@@ -126,41 +126,64 @@ class LLMEngine:
 
     # -- stepping -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        seqs, num_tokens = self.scheduler.schedule()
+        """Schedule, run the model, record what it computed. A fault anywhere in it fails the requests of
+        the step (every request, if it faulted before it had any) and the engine goes on."""
         outputs: dict[str, RequestOutput] = {}
-        if seqs:
-            try:
+        self.scheduler.step_seqs = []  # schedule() fills it: the requests a fault in this step fails
+        try:
+            seqs, num_tokens = self.scheduler.schedule()
+            if seqs:
                 step_outputs = self.runner.step(seqs, num_tokens)
-            except Exception as e:  # a failed step fails its requests, never the engine
-                logger.exception("step failed; failing %d requests", len(seqs))
-                for seq in seqs:
-                    self.scheduler.finish(seq, "error")
-                    outputs[seq.request_id] = self._output(seq, [], error=f"{type(e).__name__}: {e}")
-                self._reset_kv()
-            else:
                 self.num_steps += 1
                 self.scheduler.postprocess(seqs, num_tokens, step_outputs)
                 for seq, out in zip(seqs, step_outputs):
                     if out.token is not None:
                         logprobs = [out.logprob] if out.logprob else []
                         outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
-        for seq in self.scheduler.finished:  # finished, aborted or stopped by the scheduler
+            return self._collect(outputs)
+        except Exception as e:
+            failed = self.scheduler.step_seqs or list(self.requests.values())
+            logger.exception("step failed; failing %d requests", len(failed))
+            return self.fail(failed, e)
+
+    def fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        """End seqs with reason "error" and the fault as detail. A fault may have left the pool's
+        bookkeeping or the KV pools half-updated (MLX is lazy: a broken graph may sit in them), so the
+        other running requests are requeued to recompute, and the pool and the KV start afresh."""
+        detail = f"{type(error).__name__}: {error}"
+        for seq in seqs:
+            seq.page_table = []  # the pool is rebuilt below: nothing is released through it
+            seq.finish_detail = detail
+            try:
+                self.scheduler.finish(seq, "error")
+            except Exception:  # the request is finished all the same; only its flight bookkeeping failed
+                logger.exception("while failing request %s", seq.request_id)
+            # also when it finished earlier in the faulted step: its last output was lost
+            seq.finish_reason = "error"
+        for seq in reversed(self.scheduler.running):  # newest first, so the oldest ends up first in line
+            seq.page_table = []
+            self.scheduler.requeue(seq)
+        self.pool = self.scheduler.pool = self._new_pool(self.pool.counters)
+        self.runner.reset_kv()
+        return self._collect({})
+
+    def _collect(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs, plus the last output of every request that ended (finished, aborted,
+        stopped or failed); ended requests leave the engine."""
+        for seq in self.scheduler.finished:
             self.requests.pop(seq.request_id, None)
             outputs.setdefault(seq.request_id, self._output(seq, []))
         self.scheduler.finished.clear()
         return list(outputs.values())
 
-    def _reset_kv(self) -> None:
-        """After a failed step the pools may hold a broken lazy graph: start them afresh. Cached pages
-        are forgotten and the requests still running recompute their KV."""
-        for seq in list(self.scheduler.running):
-            self.scheduler.preempt(seq)
-        self.pool.clear_cache()
-        self.runner.reset_kv()
+    def _new_pool(self, counters: PoolCounters | None = None) -> PagePool:
+        pool = PagePool(
+            self.num_pages, self.config.page_size, make_policy(self.config.eviction, self.num_pages)
+        )
+        pool.counters = counters or pool.counters
+        return pool
 
-    def _output(
-        self, seq: Sequence, tokens: list[int], logprobs=(), error: str | None = None
-    ) -> RequestOutput:
+    def _output(self, seq: Sequence, tokens: list[int], logprobs=()) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -173,7 +196,7 @@ class LLMEngine:
             num_pages_published=seq.num_pages_published,
             num_output_tokens=len(seq.output_token_ids),
             flight_role=seq.flight_role,
-            error=error,
+            error=seq.finish_detail if seq.is_finished else None,
         )
 
     def check_invariants(self) -> None:

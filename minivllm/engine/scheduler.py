@@ -3,7 +3,8 @@
 Waiting requests are admitted first come, first served when the pool can hold their prompt; running
 requests get one decode token or their next prefill chunk under the step's token budget. When pages
 run out mid-decode the newest running request is preempted (its pages released, requeued at the front
-to be recomputed). After each evaluated step, completed pages are published to the prefix cache.
+to be restored or recomputed, not in the same step); a request that could never fit the pool is stopped
+instead of preempting others. After each evaluated step, completed pages are published to the prefix cache.
 """
 
 import logging
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CacheCounters:
+    # lookups, query and hit tokens: at a request's first admission only (readmissions are not hits)
     lookups: int = 0
     query_tokens: int = 0  # prompt tokens looked up (token-weighted, as vLLM counts)
     hit_tokens: int = 0  # prompt tokens restored
@@ -39,6 +41,7 @@ class Scheduler:
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
         self.counters = CacheCounters()
         self.finished: list[Sequence] = []  # ended since the engine last collected them
+        self.step_seqs: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,47 +51,64 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         budget = self.config.max_num_batched_tokens
-        seqs: list[Sequence] = []
+        # The step's requests, the one being scheduled last: what the engine fails if this step faults.
+        self.step_seqs = seqs = []
         num_tokens: list[int] = []
-        preempted = False
+        preemptions = self.counters.preemptions
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or budget == 0:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + n):
-                preempted = True
-                continue
             seqs.append(seq)
+            if not self._reserve(seq, seq.num_computed_tokens + n):
+                seqs.pop()
+                continue
             num_tokens.append(n)
             budget -= n
-        if not preempted:  # a pool short of pages for running requests admits nobody new
+        # A step that preempted admits nobody: the pool is short of pages, and a victim readmitted in the
+        # step that preempted it would only be preempted again by the next page its preemptor needs.
+        if self.counters.preemptions == preemptions:
             for seq in list(self.waiting):
                 if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                     break
                 if self.flights and self.flights.is_waiting(seq):
                     continue
+                seqs.append(seq)
                 if not self._admit(seq):
+                    seqs.pop()
                     break
                 n = min(seq.num_uncomputed_tokens, budget)
-                seqs.append(seq)
                 num_tokens.append(n)
                 budget -= n
-        return seqs, num_tokens
+        return list(seqs), num_tokens
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
         need = -(-num_tokens // self.page_size) - len(seq.page_table)
+        if need > self.pool.num_available() and self._stop_if_it_never_fits(seq):
+            return False
         while need > self.pool.num_available():
             victim = self.running[-1]
-            if victim is seq and len(self.running) == 1:
-                logger.warning("request %s alone outgrows the KV pool; stopping it", seq.request_id)
-                self.finish(seq, "length")
-                return False
             self.preempt(victim)
             if victim is seq:
                 return False
         if need > 0:
             seq.page_table.extend(self.pool.allocate(need))
+        return True
+
+    def _stop_if_it_never_fits(self, seq: Sequence) -> bool:
+        """A request whose longest possible context needs more pages than the whole pool would push every
+        other request out and still be cut short: stop it now, before it preempts anyone."""
+        max_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        pages = -(-(max_len - 1) // self.page_size)  # the last sampled token never gets KV
+        if pages <= self.pool.num_pages:
+            return False
+        seq.finish_detail = (
+            f"stopped at {len(seq.token_ids)} tokens: up to {max_len} tokens need {pages} KV pages and "
+            f"the pool has {self.pool.num_pages}"
+        )
+        logger.warning("request %s %s", seq.request_id, seq.finish_detail)
+        self.finish(seq, "length")
         return True
 
     def _admit(self, seq: Sequence) -> bool:
@@ -105,25 +125,33 @@ class Scheduler:
             return False
         self.pool.acquire(hits)
         seq.page_table = hits + self.pool.allocate(need)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.page_size
+        seq.num_computed_tokens = len(hits) * self.page_size
         seq.publish_cursor = len(hits)
         seq.status = SequenceStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
-        if self.config.enable_prefix_caching:
+        # Usage and hit counters count prompt tokens restored at first admission only: a readmitted
+        # request restores what it lost to preemption (its generated tokens too), not a prompt cache hit.
+        if self.config.enable_prefix_caching and seq.num_admissions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
             self.counters.lookups += 1
             self.counters.query_tokens += n
             self.counters.hit_tokens += seq.num_cached_tokens
+        seq.num_admissions += 1
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Free seq's pages and requeue it first; it recomputes prompt and output so far when readmitted."""
+        """For lack of pages: requeue seq first; it restores or recomputes its tokens when readmitted."""
+        self.requeue(seq)
+        seq.num_preemptions += 1
+        self.counters.preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """Free seq's pages and put it first in the waiting queue."""
         if self.flights and self.flights.is_open_leader(seq):
             self.flights.hand_over(seq)
         self._release_pages(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.counters.preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
@@ -170,6 +198,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq for good: finished ("stop"/"length"), aborted ("abort") or failed ("error")."""
+        if seq.is_finished:
+            return  # e.g. an abort that arrives after the step that finished it
         if reason in ("stop", "length") and self.config.enable_prefix_caching:
             self.publish(seq)
         self._release_pages(seq)

@@ -29,15 +29,17 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_detail: str | None = None  # why, when the reason alone does not say (a fault, a pool too small)
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full pages of token_ids
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     publish_cursor: int = 0  # pages of page_table already considered for publication
     num_pages_published: int = 0  # pages this request made reusable, over all admissions
-    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache (last admission)
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
     num_computed_prompt_tokens: int = (
         0  # prompt tokens this request ran through the model, over all admissions
     )
+    num_admissions: int = 0
     num_preemptions: int = 0
     flight_role: str | None = None  # "leader" | "follower" under single flight
     seed: int = 0
