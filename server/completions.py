@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.async_engine import AsyncEngine
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams, choice_seed
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
 from server.errors import APIError, ClientDisconnected, error_body
@@ -77,7 +77,7 @@ def sampling_params(
     max_model_len: int,
     first_index: int,
 ) -> list[SamplingParams]:
-    """The n choices' params for one prompt; choice i of the request gets seed + i."""
+    """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i)."""
     room = max_model_len - prompt_len
     if max_tokens is not None and max_tokens > room:
         raise APIError(
@@ -94,7 +94,7 @@ def sampling_params(
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=max(body.top_k, 0),
-                seed=None if body.seed is None else body.seed + first_index + j,
+                seed=None if body.seed is None else choice_seed(body.seed, first_index + j),
                 stop_token_ids=list(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,

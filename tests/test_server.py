@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from minivllm.engine.sampling_params import choice_seed
 from server.app import create_app
 from server.serve import serve_main
 from server.settings import Settings, SettingsError, add_serve_arguments, settings_from_args
@@ -222,19 +223,23 @@ def test_seed_reproducibility(client):
         )
         return r.choices[0].text
 
+    def choices(seed: int) -> list[str]:
+        r = client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=12,
+            temperature=1,
+            seed=seed,
+            n=2,
+            extra_body={"ignore_eos": True},
+        )
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
     assert sample(7) == sample(7)
     assert len({sample(s) for s in range(4)}) > 1
-    # n with a seed: choice i samples with seed + i
-    r = client.completions.create(
-        model=MODEL,
-        prompt="The quick brown fox",
-        max_tokens=12,
-        temperature=1,
-        seed=7,
-        n=2,
-        extra_body={"ignore_eos": True},
-    )
-    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [sample(7), sample(8)]
+    # n with a seed: choice i samples with choice_seed(seed, i); consecutive seeds share no choice
+    assert choices(7) == [sample(7), sample(choice_seed(7, 1))]
+    assert len(set(choices(7) + choices(8))) == 4
 
 
 def test_concurrent_streams_complete(server):

@@ -1,5 +1,6 @@
 """Per-request generation parameters."""
 
+import hashlib
 from dataclasses import dataclass, field
 
 
@@ -29,3 +30,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `seed` (n > 1): choice 0 keeps the seed; the others
+    get one hashed from (seed, index), so requests with nearby seeds never share a choice's draws."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits, like the seeds the engine draws itself
