@@ -10,11 +10,6 @@ from minivllm.engine.llm_engine import LLMEngine
 from tests.reference import MlxLmReference
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    return MlxLmReference(tiny_model_dir)
-
-
 def random_prompts(lengths, seed=0, vocab=384):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
@@ -238,3 +233,22 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir,
     while engine.has_unfinished_requests():
         engine.step()
     assert seq.output_token_ids == reference.greedy(warm, 8)
+
+
+def test_the_tiny_model_is_not_degenerate(reference):
+    """Output equality can only catch wrong KV if outputs vary: greedy continuations use many distinct
+    tokens, and changing only the first prompt token (whose KV every later token reads) changes them."""
+    for prompt in random_prompts([20, 50, 100], seed=12):
+        out = reference.greedy(prompt, 32)
+        assert len(set(out)) >= 16, out
+        assert reference.greedy([(prompt[0] + 1) % 384] + prompt[1:], 32) != out
+
+
+def test_a_seeded_request_draws_new_randomness_at_every_position(tiny_model_dir):
+    # At a huge temperature the distribution is nearly flat: the tokens vary only as much as the random
+    # draws do. One seed must still give a different draw at every position.
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20)
+    prompt = random_prompts([10], seed=13)[0]
+    params = SamplingParams(max_tokens=24, temperature=1e4, seed=11, ignore_eos=True)
+    (out,) = llm.generate([prompt], params)
+    assert len(set(out.token_ids)) >= 12, out.token_ids

@@ -151,3 +151,47 @@ def test_pool_publishes_nothing_below_an_unpublished_parent():
     assert pool.publish(pages[0], b"root", None, [0, 0])
     assert not pool.publish(pages[1], b"root", None, [0, 0])  # a twin of a published page stays private
     pool.check_invariants()
+
+
+# -- what a wrong page would break: each test fails if a page's KV is served where it does not belong ----
+def test_equal_pages_under_different_prefixes_are_never_shared(tiny_model_dir, reference):
+    # The second page of a and b has the same tokens but not the same KV: its keys and values depend on
+    # the first page. b's own pages are what a repeat of b restores.
+    engine = make_engine(tiny_model_dir, eviction="lru")
+    first_a, first_b, shared, tail = random_prompts([16, 16, 16, 20], seed=8)
+    a, b = first_a + shared + tail, first_b + shared + tail
+    generate(engine, "a", a)
+    generate(engine, "b", b)
+    again = generate(engine, "b-again", b)
+    assert again.num_cached_tokens == 48
+    assert again.output_token_ids == reference.greedy(b, 8)
+
+
+def test_an_aborted_prefill_leaves_only_its_computed_pages_to_restore(tiny_model_dir, reference):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=64, eviction="lru")
+    prompt = random_prompts([200], seed=9)[0]
+    engine.add_request("aborted", prompt, greedy(8))
+    engine.step()  # the first 64-token chunk of the prompt; the other 136 tokens have no KV yet
+    engine.abort_request("aborted")
+    engine.step()
+    again = generate(engine, "again", prompt)
+    assert again.num_cached_tokens == 64
+    assert again.output_token_ids == reference.greedy(prompt, 8)
+
+
+def test_admission_with_many_hits_in_a_nearly_full_pool_waits_for_room(tiny_model_dir, reference):
+    # 16 pages. A finished request leaves 10 cached pages; another one runs in the remaining ones. A
+    # request restoring those 10 pages needs 4 more: it must count the 10 it pins as no longer
+    # available and wait, not take pages the pool does not have.
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=16 * PAGE_BYTES, eviction="lru")
+    cached_prompt, running_prompt, extension = random_prompts([160, 40, 56], seed=10)
+    generate(engine, "first", cached_prompt, n=1)
+    assert engine.pool.num_cached == 10
+    running = engine.add_request("running", running_prompt, greedy(30))
+    engine.step()
+    long_prompt = cached_prompt + extension
+    restoring = engine.add_request("restoring", long_prompt, greedy(8))
+    run(engine, check=True)
+    assert restoring.num_cached_tokens == 160 and restoring.finish_reason == "length"
+    assert restoring.output_token_ids == reference.greedy(long_prompt, 8)
+    assert running.output_token_ids == reference.greedy(running_prompt, 30)

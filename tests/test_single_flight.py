@@ -160,3 +160,33 @@ def test_released_ids_are_kept_until_termination_and_unknown_ids_are_errors():
     flights.terminate(leader)
     with pytest.raises(KeyError, match="unknown"):
         flights.terminate(follower)
+
+
+def test_a_preempted_leader_hands_its_flight_to_a_follower(tiny_model_dir, prompt, reference):
+    # A small pool and an older request: the leader is the newest running request, so the first preempted,
+    # before it could publish its pages (at_completion).
+    page_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            kv_cache_bytes=9 * page_bytes,
+            single_flight="at_completion",
+            eviction="lru",
+        )
+    )
+    other, shared = random_prompts([40, 50], seed=4)
+    engine.add_request("other", other, greedy(60))
+    seqs = [engine.add_request(f"r{i}", shared, greedy(40)) for i in range(3)]
+    first_token, finished, step = {}, {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.new_token_ids:
+                first_token.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = step
+        engine.check_invariants()
+    assert seqs[0].num_preemptions > 0
+    # the oldest follower computed the prompt itself instead of waiting for the old leader to come back
+    assert first_token["r1"] < finished["r0"]
+    assert all(s.output_token_ids == reference.greedy(shared, 40) for s in seqs)
