@@ -1,0 +1,288 @@
+"""Mutation check: break the code on purpose, one mutation at a time, and see whether the tests notice.
+
+Each mutation replaces one exact piece of source text in a temporary copy of the working tree (tracked
+files and uncommitted edits) and runs the tests that guard that code there, stopping at the first failure.
+A mutation is caught when a test fails (or the run hangs past the timeout); the table names the test.
+
+    python -m tests.mutations                 # every mutation: a table and the catch rate
+    python -m tests.mutations --list
+    python -m tests.mutations parent-hash no-leader-handover
+
+It takes about ten minutes on 2 CPU cores. A mutation whose source text is no longer in the tree is
+reported as "stale": update its text here when the code it breaks changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: test files, -k expressions
+
+
+SCHEDULER = "minivllm/engine/scheduler.py"
+MUTATIONS = [
+    # -- the five the suite missed before issue 16 ------------------------------------------------------
+    Mutation(
+        "parent-hash",
+        "the parent hash left out of the chained page hash",
+        "minivllm/cache/page_hash.py",
+        "xxh3_128_digest(parent + np.asarray(tokens",
+        "xxh3_128_digest(np.asarray(tokens",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "publish-uncomputed",
+        "pages published before their KV is computed",
+        SCHEDULER,
+        "full = min(seq.num_computed_tokens // self.page_size, len(hashes))",
+        "full = len(hashes)",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "no-leader-handover",
+        "preemption no longer hands a leader's flight over to a follower",
+        SCHEDULER,
+        "        if self.flights and self.flights.is_open_leader(seq):\n            self.flights.hand_over(seq)\n",
+        "",
+        ("tests/test_single_flight.py",),
+    ),
+    Mutation(
+        "sampler-key-without-position",
+        "the sampler's per-request key no longer depends on the token position",
+        "minivllm/engine/sampler.py",
+        "mx.random.key((seed * 1_000_003 + pos) % (1 << 63))",
+        "mx.random.key(seed % (1 << 63))",
+        ("tests/test_engine.py",),
+    ),
+    Mutation(
+        "admission-ignores-pinned-hits",
+        "admission ignores the cache-hit pages it just pinned",
+        SCHEDULER,
+        "if need > self.pool.num_available() - pinned_now:",
+        "if need > self.pool.num_available():",
+        ("tests/test_prefix_cache.py",),
+    ),
+    # -- caught before issue 16 -------------------------------------------------------------------------
+    Mutation(
+        "restore-one-page-more",
+        "the restore rule restores one page more",
+        SCHEDULER,
+        "seq.token_ids, (n - 1) // self.page_size)",
+        "seq.token_ids, (n - 1) // self.page_size + 1)",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "restore-one-page-less",
+        "the restore rule restores one page less",
+        SCHEDULER,
+        "seq.token_ids, (n - 1) // self.page_size)",
+        "seq.token_ids, (n - 1) // self.page_size - 1)",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "abort-keeps-pages",
+        "an aborted request's pages are not released",
+        SCHEDULER,
+        "        self._release_pages(seq)\n        if seq.status == SequenceStatus.RUNNING:",
+        '        if reason != "abort":\n            self._release_pages(seq)\n'
+        "        if seq.status == SequenceStatus.RUNNING:",
+        ("tests/test_engine.py", "tests/test_single_flight.py"),
+    ),
+    Mutation(
+        "s3fifo-promotion-threshold",
+        "S3FIFO promotes from the small queue at freq >= 2 instead of >= 1",
+        "minivllm/cache/eviction.py",
+        "            if vf >= 1:\n                self._admit_to_main(victim, vf, evicted)",
+        "            if vf >= 2:\n                self._admit_to_main(victim, vf, evicted)",
+        ("tests/test_eviction.py", "tests/test_replay.py"),
+    ),
+    Mutation(
+        "s3fifo-frequency-reset",
+        "S3FIFO resets the frequency of a page promoted to the main queue",
+        "minivllm/cache/eviction.py",
+        "self._admit_to_main(victim, vf, evicted)  # freq kept",
+        "self._admit_to_main(victim, 0, evicted)  # freq kept",
+        ("tests/test_eviction.py", "tests/test_replay.py"),
+    ),
+    Mutation(
+        "hit-without-token-check",
+        "a cache hit no longer compares the page's token ids",
+        "minivllm/cache/page_pool.py",
+        "if page is None or self.page_tokens[page] != tokens:",
+        "if page is None:",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "stop-string-leaks",
+        "stop-string hold-back disabled",
+        "server/generation.py",
+        "end = len(self.text) if final else len(self.text) - self._held_back()",
+        "end = len(self.text)",
+        ("tests/test_server.py", "-k", "stop"),
+    ),
+    Mutation(
+        "no-abort-on-close",
+        "no abort when a stream closes",
+        "minivllm/engine/async_engine.py",
+        "                accepted.cancel()\n                self._inbox.put(_Abort(request_id))",
+        "                accepted.cancel()",
+        ("tests/test_faults.py", "-k", "cancelled"),
+    ),
+    # -- the defects fixed in issue 16 --------------------------------------------------------------------
+    Mutation(
+        "cached-tokens-on-readmission",
+        "a readmitted request counts its restored pages as cached prompt tokens again",
+        SCHEDULER,
+        "if self.config.enable_prefix_caching and seq.num_admissions == 0:",
+        "if self.config.enable_prefix_caching:",
+        ("tests/test_preemption.py",),
+    ),
+    Mutation(
+        "readmit-in-preempting-step",
+        "a step that preempted still admits (the victim may come straight back)",
+        SCHEDULER,
+        "if self.counters.preemptions == preemptions:",
+        "if True:",
+        ("tests/test_preemption.py",),
+    ),
+    Mutation(
+        "never-fitting-request-preempts",
+        "a request that can never fit preempts the others before it is stopped",
+        SCHEDULER,
+        "if need > self.pool.num_available() and self._stop_if_it_never_fits(seq):",
+        "if need > self.pool.num_available() and len(self.running) == 1 and self._stop_if_it_never_fits(seq):",
+        ("tests/test_preemption.py",),
+    ),
+    Mutation(
+        "step-faults-escape",
+        "a fault in a step escapes it: its requests are not failed (the loop retries it)",
+        "minivllm/engine/llm_engine.py",
+        "        except Exception as e:\n            failed = self.scheduler.step_seqs",
+        "        except MemoryError as e:\n            failed = self.scheduler.step_seqs",
+        ("tests/test_faults.py", "-k", "fault"),
+    ),
+    Mutation(
+        "consecutive-choice-seeds",
+        "choice i of a request with n > 1 samples with seed + i",
+        "server/completions.py",
+        "choice_seed(body.seed, first_index + j)",
+        "body.seed + first_index + j",
+        ("tests/test_server.py", "-k", "seed"),
+    ),
+]
+
+
+@dataclass
+class Outcome:
+    mutation: Mutation
+    status: str  # "caught", "MISSED", "stale"
+    test: str = ""
+    seconds: float = 0.0
+
+
+def copy_tree(dst: Path) -> None:
+    """Tracked files and untracked, not ignored ones: the working tree as it is, without build outputs."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, listing.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def run_tests(root: Path, args: tuple[str, ...], timeout: float) -> tuple[bool, str]:
+    """(passed, first failing test or why it failed)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timeout after {timeout:.0f} s (a hang)"
+    if proc.returncode == 0:
+        return True, ""
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+    return False, failed[0] if failed else f"pytest exit {proc.returncode}: {proc.stdout[-300:]}"
+
+
+def check(mutation: Mutation, root: Path, timeout: float) -> Outcome:
+    path = root / mutation.path
+    source = path.read_text()
+    if source.count(mutation.old) != 1:
+        return Outcome(mutation, "stale", f"{mutation.path}: text not found exactly once")
+    start = time.monotonic()
+    try:
+        path.write_text(source.replace(mutation.old, mutation.new))
+        passed, test = run_tests(root, mutation.tests, timeout)
+    finally:
+        path.write_text(source)
+    return Outcome(mutation, "MISSED" if passed else "caught", test, time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", help="mutations to check (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per test run")
+    p.add_argument("--no-baseline", action="store_true", help="skip checking that the unmutated tree passes")
+    args = p.parse_args(argv)
+    known = {m.name: m for m in MUTATIONS}
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:32} {m.what}  [{' '.join(m.tests)}]")
+        return 0
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        p.error(f"unknown mutations: {', '.join(unknown)} (see --list)")
+    selected = [known[n] for n in args.names] if args.names else MUTATIONS
+
+    with tempfile.TemporaryDirectory(prefix="minivllm-mutations-") as tmp:
+        root = Path(tmp)
+        copy_tree(root)
+        if not args.no_baseline:
+            files = sorted({t for m in selected for t in m.tests if t.endswith(".py")})
+            print(f"baseline: {' '.join(files)}", flush=True)
+            passed, test = run_tests(root, tuple(files), args.timeout)
+            if not passed:
+                print(f"the unmutated tree fails {test}: fix that first", file=sys.stderr)
+                return 2
+        outcomes = []
+        for m in selected:
+            print(f"{m.name} ...", end=" ", flush=True)
+            outcomes.append(check(m, root, args.timeout))
+            print(f"{outcomes[-1].status} {outcomes[-1].test}", flush=True)
+
+    print("\n| mutation | result | caught by |\n|---|---|---|")
+    for o in outcomes:
+        print(f"| {o.mutation.what} (`{o.mutation.name}`) | {o.status} | {o.test} |")
+    applied = [o for o in outcomes if o.status != "stale"]
+    caught = sum(o.status == "caught" for o in applied)
+    print(f"\ncaught {caught} of {len(applied)} mutations", end="")
+    stale = len(outcomes) - len(applied)
+    print(f"; {stale} stale (their source text changed: update them)" if stale else "")
+    return 0 if caught == len(applied) and not stale else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
