@@ -85,7 +85,9 @@ async def run(args) -> None:
     rows = summarize(by_config, groups)
     name = runner.result_name("concurrent_population", args)
     meta = results.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
-    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES)
+    paths = results.write_results(
+        name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES, allow_dirty=args.allow_dirty
+    )
     if args.plot:
         series = {
             label: [

@@ -96,7 +96,9 @@ async def run(args) -> None:
     served = {s.name: str(servers.served_model_dir(s)) for s in specs}
     meta = results.metadata(args.model, args.page_size, servers=args.servers, served_models=served, runs=args.runs,
                       env=args.env, sizes=vars(sizes))  # fmt: skip
-    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=by_server, notes=NOTES)
+    paths = results.write_results(
+        name, rows, meta, out_dir=args.out, raw=by_server, notes=NOTES, allow_dirty=args.allow_dirty
+    )
     if args.plot and both:
         ttft = [m for m in by_server[args.servers[0]][0]["metrics"] if "TTFT" in m]
         series = {

@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         del llm
         gc.collect()
     meta = metadata(args.model, page_size=16, backend=detect_backend().name, runs=args.runs, steps=steps)
-    print_report(write_results(result_name("pool_scaling", args), rows, meta, out_dir=args.out))
+    print_report(
+        write_results(
+            result_name("pool_scaling", args), rows, meta, out_dir=args.out, allow_dirty=args.allow_dirty
+        )
+    )
 
 
 if __name__ == "__main__":

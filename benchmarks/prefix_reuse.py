@@ -103,7 +103,9 @@ async def run(args) -> None:
     rows = summarize(by_config, args.page_size)
     name = runner.result_name("prefix_reuse", args)
     meta = results.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
-    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES)
+    paths = results.write_results(
+        name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES, allow_dirty=args.allow_dirty
+    )
     if args.plot:
         on = [r for r in rows if r["cache"] == "cache-on" and r["request"].startswith("probe")]
         results.save_plot(name, [r["request"] for r in on], {"restored tokens": [r["restored"] for r in on]}, "tokens",

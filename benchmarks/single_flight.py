@@ -192,7 +192,9 @@ async def run(args) -> None:
     rows, raw = await (run_churn if args.scenario == "churn" else run_bursts)(args, tokenizer)
     name = runner.result_name("single_flight" + ("_churn" if args.scenario == "churn" else ""), args)
     meta = results.metadata(args.model, args.page_size, server=args.server, runs=args.runs, env=args.env)
-    paths = results.write_results(name, rows, meta, out_dir=args.out, raw=raw, notes=NOTES[args.scenario])
+    paths = results.write_results(
+        name, rows, meta, out_dir=args.out, raw=raw, notes=NOTES[args.scenario], allow_dirty=args.allow_dirty
+    )
     results.print_report(paths)
 
 

@@ -157,7 +157,11 @@ def main(argv: list[str] | None = None) -> None:
         decode_tokens=decode_n,
         kv_cache_mib=args.kv_cache_mib,
     )
-    print_report(write_results(result_name("throughput", args), rows, meta, out_dir=args.out))
+    print_report(
+        write_results(
+            result_name("throughput", args), rows, meta, out_dir=args.out, allow_dirty=args.allow_dirty
+        )
+    )
 
 
 if __name__ == "__main__":

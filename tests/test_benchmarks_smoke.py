@@ -75,6 +75,7 @@ def test_make_prompt_shares_a_fraction_of_a_prefix(tokenizer):
 
 def test_write_results_writes_json_and_markdown(tiny_model_dir, tmp_path):
     meta = results.metadata(tiny_model_dir, page_size=16, runs=1)
+    meta["git"]["dirty"] = False  # as from a clean committed tree
     rows = [
         {"config": "a", "TTFT ms": results.fmt_ms([0.1, 0.2]), "restored": 16.0},
         {"config": "b", "restored": math.nan},
@@ -89,6 +90,19 @@ def test_write_results_writes_json_and_markdown(tiny_model_dir, tmp_path):
     md = md_path.read_text()
     assert "| config | TTFT ms | restored |" in md and "150.0 ± 70.7" in md
     assert "mlx_version" in md and "commit=" in md
+
+
+def test_results_from_a_dirty_tree_are_refused_or_marked(tiny_model_dir, tmp_path):
+    meta = results.metadata(tiny_model_dir, page_size=16, runs=1)
+    meta["git"]["dirty"] = True
+    rows = [{"config": "a", "restored": 16.0}]
+    with pytest.raises(results.DirtyTree, match="--allow-dirty"):
+        results.write_results("bench", rows, meta, out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+    json_path, md_path = results.write_results("bench", rows, meta, out_dir=tmp_path, allow_dirty=True)
+    assert (json_path.name, md_path.name) == ("bench-DIRTY.json", "bench-DIRTY.md")
+    assert json.loads(json_path.read_text())["WARNING"].startswith("DIRTY")
+    assert md_path.read_text().splitlines()[2].startswith("> **DIRTY")
 
 
 def test_float32_copy_dequantizes_for_the_peer(tiny_model_dir, tmp_path):

@@ -52,6 +52,26 @@ def _code_changed() -> bool:
     return bool(_git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"))
 
 
+class DirtyTree(RuntimeError):
+    """Results would not name the code that produced them."""
+
+
+DIRTY_HELP = (
+    "the tree has uncommitted changes outside benchmarks/results; commit them first, or pass --allow-dirty "
+    "(results are then written as <name>-DIRTY.* with a warning, and must not be quoted)"
+)
+DIRTY_WARNING = (
+    "DIRTY: written from a tree with uncommitted changes; the commit does not name the code that ran. "
+    "Do not quote these numbers."
+)
+
+
+def require_clean_tree(allow_dirty: bool = False) -> None:
+    """Called before a benchmark starts, so a dirty tree is refused before an hour of measuring."""
+    if not allow_dirty and _code_changed():
+        raise DirtyTree(DIRTY_HELP)
+
+
 def _processor() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -119,16 +139,24 @@ def write_results(
     out_dir: Path = RESULTS_DIR,
     raw: Any = None,
     notes: str = "",
+    allow_dirty: bool = False,
 ) -> tuple[Path, Path]:
-    """Write <name>.json (rows, metadata, raw per-request data) and <name>.md (metadata header + table)."""
+    """Write <name>.json (rows, metadata, raw per-request data) and <name>.md (metadata header + table).
+
+    Results from a dirty tree (meta["git"]["dirty"]) are refused unless allow_dirty; then they are written
+    as <name>-DIRTY.* and both files open with a warning."""
+    warning = []
+    if meta["git"]["dirty"]:
+        if not allow_dirty:
+            raise DirtyTree(DIRTY_HELP)
+        name, warning = f"{name}-DIRTY", [f"> **{DIRTY_WARNING}**", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    json_path.write_text(
-        json.dumps(
-            {"name": name, "metadata": meta, "rows": rows, "raw": raw}, indent=2, default=_json_default
-        )
-    )
-    header = [f"# {name}", ""] + [f"- **{k}**: {_meta_line(v)}" for k, v in meta.items()]
+    record = {"name": name, "metadata": meta, "rows": rows, "raw": raw}
+    if warning:
+        record = {"WARNING": DIRTY_WARNING, **record}
+    json_path.write_text(json.dumps(record, indent=2, default=_json_default))
+    header = [f"# {name}", ""] + warning + [f"- **{k}**: {_meta_line(v)}" for k, v in meta.items()]
     md_path.write_text("\n".join(header + ["", markdown_table(rows), ""] + ([notes, ""] if notes else [])))
     return json_path, md_path
 

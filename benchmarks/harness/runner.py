@@ -18,7 +18,7 @@ from benchmarks.harness.client import (
     warmup,
 )
 from benchmarks.harness.models import resolve_model
-from benchmarks.harness.results import RESULTS_DIR
+from benchmarks.harness.results import RESULTS_DIR, DirtyTree, require_clean_tree
 from benchmarks.harness.servers import SERVER_NAMES, Server, ServerSpec, running_server
 
 T = TypeVar("T")
@@ -49,11 +49,20 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         help="server to measure; mlx-lm ignores the MINIVLLM_* configurations (useful to smoke-test the script)",
     )
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra MINIVLLM_* setting")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run from a tree with uncommitted changes; results are written as <name>-DIRTY.*, not to be quoted",
+    )
     return p
 
 
 def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
+    try:
+        require_clean_tree(args.allow_dirty)
+    except DirtyTree as e:
+        p.error(str(e))
     if args.quick:
         args.runs = 1
     args.model = resolve_model(args.model)
