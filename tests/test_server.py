@@ -212,34 +212,23 @@ def test_n_choices(client):
 
 
 def test_seed_reproducibility(client):
-    def sample(seed: int) -> str:
+    def choices(seed: int, n: int = 1) -> list[str]:
         r = client.completions.create(
             model=MODEL,
             prompt="The quick brown fox",
             max_tokens=12,
             temperature=1,
             seed=seed,
-            extra_body={"ignore_eos": True},
-        )
-        return r.choices[0].text
-
-    def choices(seed: int) -> list[str]:
-        r = client.completions.create(
-            model=MODEL,
-            prompt="The quick brown fox",
-            max_tokens=12,
-            temperature=1,
-            seed=seed,
-            n=2,
+            n=n,
             extra_body={"ignore_eos": True},
         )
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
-    assert sample(7) == sample(7)
-    assert len({sample(s) for s in range(4)}) > 1
+    assert choices(7) == choices(7)
+    assert len({text for s in range(4) for text in choices(s)}) > 1
     # n with a seed: choice i samples with choice_seed(seed, i); consecutive seeds share no choice
-    assert choices(7) == [sample(7), sample(choice_seed(7, 1))]
-    assert len(set(choices(7) + choices(8))) == 4
+    assert choices(7, n=2) == choices(7) + choices(choice_seed(7, 1))
+    assert len(set(choices(7, n=2) + choices(8, n=2))) == 4
 
 
 def test_concurrent_streams_complete(server):
