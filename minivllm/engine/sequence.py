@@ -39,7 +39,7 @@ class Sequence:
     num_computed_prompt_tokens: int = (
         0  # prompt tokens this request ran through the model, over all admissions
     )
-    num_admissions: int = 0
+    num_admissions: int = 0  # readmissions after a preemption or a fault count too
     num_preemptions: int = 0
     flight_role: str | None = None  # "leader" | "follower" under single flight
     seed: int = 0
