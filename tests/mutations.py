@@ -39,7 +39,7 @@ class Mutation:
 
 SCHEDULER = "minivllm/engine/scheduler.py"
 MUTATIONS = [
-    # -- the five the suite missed before issue 16 ------------------------------------------------------
+    # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
         "parent-hash",
         "the parent hash left out of the chained page hash",
@@ -80,7 +80,7 @@ MUTATIONS = [
         "if need > self.pool.num_available():",
         ("tests/test_prefix_cache.py",),
     ),
-    # -- caught before issue 16 -------------------------------------------------------------------------
+    # -- caught by the earlier suite -------------------------------------------------------------------------
     Mutation(
         "restore-one-page-more",
         "the restore rule restores one page more",
@@ -146,7 +146,7 @@ MUTATIONS = [
         "                accepted.cancel()",
         ("tests/test_faults.py", "-k", "cancelled"),
     ),
-    # -- the defects fixed in issue 16 --------------------------------------------------------------------
+    # -- engine defects: counters, churn, faults, seeds ------------------------------------------------------
     Mutation(
         "cached-tokens-on-readmission",
         "a readmitted request counts its restored pages as cached prompt tokens again",
