@@ -16,7 +16,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # prefill chunk budget per step (decode tokens included)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_waiting: int = 256  # waiting-queue bound; past it new requests are refused (HTTP 429)
+    max_waiting: int = 256  # requests waiting beyond the free running slots; past it: QueueFull (HTTP 429)
     enable_prefix_caching: bool = True
     eviction: str = "s3fifo"
     publication: str = "incremental"

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
-    """The waiting queue is at max_waiting; retry later."""
+    """max_waiting requests already wait beyond the free running slots; retry later."""
 
 
 @dataclass
@@ -49,12 +49,11 @@ class LLMEngine:
         self.config = config
         self.backend = detect_backend()
         self.model, self.tokenizer, self.model_config = load_model(config.model, self.backend)
-        model_len = self.model_config.get("max_position_embeddings", 32768)
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
         self.num_pages = num_pages = self._num_pages(geometry)
         self.pool = self._new_pool()
+        self.max_model_len = self._max_model_len(num_pages * config.page_size)
         self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(config, self.pool, self.eos_token_ids, self.max_model_len)
@@ -84,6 +83,26 @@ class LLMEngine:
             )
         return num_pages
 
+    def _max_model_len(self, pool_tokens: int) -> int:
+        """The context length: the setting, at most the model's, at most what the pool holds for one sequence
+        (a longer request could never finish; clamped here so that it is refused up front)."""
+        model_len = self.model_config.get("max_position_embeddings", 32768)
+        wanted = min(self.config.max_model_len or model_len, model_len)
+        if wanted > pool_tokens:
+            logger.warning(
+                "max_model_len %d is more than the KV pool holds for one sequence (%d tokens); using %d "
+                "(raise kv_cache_bytes for longer contexts)",
+                wanted,
+                pool_tokens,
+                pool_tokens,
+            )
+        return min(wanted, pool_tokens)
+
+    @property
+    def max_requests(self) -> int:
+        """The most requests the engine holds at once: every running slot plus the waiting queue's bound."""
+        return self.config.max_num_seqs + self.config.max_waiting
+
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
@@ -93,7 +112,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if self.scheduler.num_queued() >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, token_ids, params, seed=seed)

@@ -3,6 +3,8 @@
 import hashlib
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -29,7 +31,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # a temperature this small is greedy anyway, and dividing logits by it would overflow them
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -48,6 +48,12 @@ class Scheduler:
         if self.flights:
             self.flights.join(seq)
 
+    def num_queued(self) -> int:
+        """Waiting requests beyond the free running slots: those the next schedule() cannot start at once.
+        Admission bounds this, not len(waiting), since requests arrive in waiting before any is scheduled."""
+        free_slots = max(0, self.config.max_num_seqs - len(self.running))
+        return max(0, len(self.waiting) - free_slots)
+
     # -- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         budget = self.config.max_num_batched_tokens
