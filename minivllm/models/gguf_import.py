@@ -286,18 +286,25 @@ def write_model_dir(reader: GGUFReader, tmp: Path, bits: int, group_size: int) -
     save_config(build_config(reader, info, vocab_size, tied, bits, group_size), tmp / "config.json")
 
 
+def conversion_temp_prefixes(out_dir: Path) -> tuple[str, str]:
+    """Name prefixes of the sibling directories convert_gguf(..., out_dir) works in: a kill at the wrong
+    moment leaves them behind (see default_model.remove_stale_dirs)."""
+    return f".{out_dir.name}.tmp-", f".{out_dir.name}.old-"
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, bits: int = 4, group_size: int = 64) -> Path:
     """Convert a qwen2/llama GGUF into an mlx-lm model directory at `out_dir` (replaced atomically)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     reader = open_gguf(gguf_path)
+    tmp_prefix, old_prefix = conversion_temp_prefixes(out_dir)
     # Build in a sibling temp dir and rename it into place: a crash never leaves a half directory.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=out_dir.parent))
     try:
         write_model_dir(reader, tmp, bits, group_size)
         tmp.chmod(0o755)  # mkdtemp makes it private; the model directory is meant to be shared
         if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            old = Path(tempfile.mkdtemp(prefix=old_prefix, dir=out_dir.parent))
             os.replace(out_dir, old / "dir")
             os.replace(tmp, out_dir)
             shutil.rmtree(old, ignore_errors=True)

@@ -52,13 +52,16 @@ def resolve_model(ref: str | None) -> str:
 
 
 def _converted_gguf(path: Path) -> Path:
-    from minivllm.models.gguf_import import convert_gguf
+    from minivllm.models.default_model import file_lock, remove_stale_dirs
+    from minivllm.models.gguf_import import conversion_temp_prefixes, convert_gguf
 
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "gguf" / f"{path.stem}-{key}"
-    if not (out / "config.json").is_file():
-        convert_gguf(path, out)
+    with file_lock(out.parent / f".{out.name}.lock"):  # one conversion at a time; leftovers are then stale
+        remove_stale_dirs(out.parent, conversion_temp_prefixes(out))
+        if not (out / "config.json").is_file():
+            convert_gguf(path, out)
     return out
 
 
