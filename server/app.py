@@ -5,7 +5,6 @@ The model loads once, in the lifespan; the engine's stepping thread starts there
 
 import asyncio
 import functools
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -14,21 +13,14 @@ from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
 from server import protocol as p
-from server.completions import (
-    ChatFormat,
-    CompletionFormat,
-    ServerState,
-    chat_prompt,
-    completion_prompts,
-    generate,
-)
+from server.completions import ChatFormat, CompletionFormat, ServerState, generate, until_disconnect
 from server.errors import APIError, error_response, install_error_handlers
+from server.gateway import GatewayMiddleware
 from server.metrics import Metrics
+from server.prompts import PromptBuilder
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
-
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
 def create_app(settings: Settings | None = None, engine: AsyncEngine | None = None) -> FastAPI:
@@ -51,6 +43,7 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
         try:
             yield
         finally:
+            app.state.server.prompts.close()
             if owned:
                 eng.shutdown()  # on the loop thread: it ends the open streams (asyncio queues are not thread-safe)
 
@@ -64,7 +57,9 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
 def _state(settings: Settings, engine: AsyncEngine, metrics: Metrics) -> ServerState:
     tokenizer = engine.tokenizer
     token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
-    return ServerState(settings, engine, metrics, settings.served_model_name, token_text)
+    prompts = PromptBuilder(tokenizer, engine.engine.max_model_len)
+    special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    return ServerState(settings, engine, metrics, settings.served_model_name, token_text, prompts, special)
 
 
 def _configure_logging(level: str) -> None:
@@ -93,10 +88,10 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         st: ServerState = request.app.state.server
         st.check_model(body.model)
-        prompt = chat_prompt(st.engine.tokenizer, body.messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        prompt = await until_disconnect(request, lambda: st.prompts.chat(body.messages, max_tokens))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ChatFormat(st.token_text, body.logprobs)
-        max_tokens = body.max_completion_tokens or body.max_tokens
         return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs)
 
     @app.post("/v1/completions")
@@ -105,51 +100,9 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
         st.check_model(body.model)
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        prompts = completion_prompts(st.engine.tokenizer, body.prompt)
+        prompts = await until_disconnect(request, lambda: st.prompts.completion(body.prompt, body.max_tokens))
         fmt = CompletionFormat(st.token_text, body.logprobs is not None)
         return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
-
-
-class GatewayMiddleware:
-    """Bearer-key check on /v1 routes and request counts by endpoint and status. Plain ASGI (not
-    BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        status = 500  # if nothing gets sent
-
-        async def send_observed(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            if path.startswith("/v1") and not self._authorized(scope):
-                response = error_response(
-                    401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
-                )
-                return await response(scope, receive, send_observed)
-            await self.app(scope, receive, send_observed)
-        finally:
-            endpoint = path if path in ENDPOINTS else "other"
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-
-    @staticmethod
-    def _authorized(scope) -> bool:
-        state = getattr(scope["app"].state, "server", None)
-        key = state.settings.api_key if state else None
-        if not key:
-            return True
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 app = create_app()

@@ -1,14 +1,14 @@
 """The endpoint logic shared by /v1/chat/completions and /v1/completions.
 
-Chat templates its messages into token ids, completions tokenizes its prompt(s); from there both take the
-same path: sampling params -> Generation -> a JSON response or an SSE stream, formatted by ChatFormat or
-CompletionFormat.
+Chat templates its messages into token ids, completions tokenizes its prompt(s) (server.prompts, off the
+event loop); from there both take the same path: sampling params -> Generation -> a JSON response or an SSE
+stream, formatted by ChatFormat or CompletionFormat.
 """
 
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -21,6 +21,7 @@ from server import protocol as p
 from server.errors import APIError, ClientDisconnected, error_body
 from server.generation import Delta, Generation
 from server.metrics import Metrics
+from server.prompts import PromptBuilder, context_length_error
 from server.settings import Settings
 
 MAX_CHOICES = 64
@@ -33,6 +34,8 @@ class ServerState:
     metrics: Metrics
     model_name: str
     token_text: Callable[[int], str]  # one token's text, for logprobs
+    prompts: PromptBuilder
+    special_token_ids: frozenset[int]  # left out of output text unless a request asks for them
 
     @property
     def max_model_len(self) -> int:
@@ -48,27 +51,7 @@ class ServerState:
             )
 
 
-# -- prompts ----------------------------------------------------------------------------------------------
-def chat_prompt(tokenizer, messages: list[p.ChatMessage]) -> list[int]:
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # no template, or one that rejects these messages
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-    if isinstance(ids, Mapping):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def completion_prompts(tokenizer, prompt) -> list[list[int]]:
-    """A string, a list of token ids, or a list of either (several prompts)."""
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
-    if not prompt or isinstance(prompt[0], int):
-        return [list(prompt)]
-    return [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompt]
-
-
+# -- sampling ---------------------------------------------------------------------------------------------
 def sampling_params(
     body: p.GenerationRequest,
     max_tokens: int | None,
@@ -80,13 +63,7 @@ def sampling_params(
     """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i)."""
     room = max_model_len - prompt_len
     if max_tokens is not None and max_tokens > room:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion).",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+        raise context_length_error(max_model_len, prompt_len, max_tokens, "max_tokens")
     try:
         return [
             SamplingParams(
@@ -217,14 +194,23 @@ async def generate(
     max_tokens: int | None,
     logprobs: int | None,
 ) -> Response:
-    if len(prompts) * body.n > MAX_CHOICES:
+    choices = len(prompts) * body.n
+    if choices > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n")
+    if choices > state.engine.engine.max_requests:
+        raise APIError(
+            400,
+            f"{choices} choices (prompts x n) can never be admitted together: this server holds at most "
+            f"{state.engine.engine.max_requests} requests (MINIVLLM_MAX_NUM_SEQS + MINIVLLM_MAX_WAITING)",
+            param="n",
+        )
     params, first = [], 0
     for prompt in prompts:
         params.append(sampling_params(body, max_tokens, logprobs, len(prompt), state.max_model_len, first))
         first += body.n
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    gen = Generation(state.engine, rid, prompts, params, body.stop, state.metrics)
+    hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
+    gen = Generation(state.engine, rid, prompts, params, body.stop, state.metrics, hidden)
     streaming = False
     try:
         await until_disconnect(request, gen.start)

@@ -14,6 +14,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -21,15 +22,27 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -38,7 +51,12 @@ class ClientDisconnected(Exception):
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: a message may echo client input, which can hold lone surrogates."""
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, **kw) -> JSONResponse:
@@ -54,7 +72,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return exc.response()
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -18,14 +18,17 @@ from minivllm.engine.sequence import TokenLogprob
 from server.errors import APIError
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = "1"  # a full queue drains as requests finish: seconds at the model's speed
 
 
 class TextStream:
     """Incremental detokenization that releases text only once it cannot be the start of a stop string,
-    so a stop string split across tokens never leaks into the output."""
+    so a stop string split across tokens never leaks into the output. Hidden tokens (the special tokens,
+    unless a request asks for them) add no text."""
 
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], hidden: frozenset[int] = frozenset()):
         self.detokenizer = tokenizer.detokenizer
+        self.hidden = hidden
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
         self.text = ""  # everything decoded so far
@@ -34,7 +37,8 @@ class TextStream:
 
     def add(self, token_ids: list[int]) -> str:
         for t in token_ids:
-            self.detokenizer.add_token(t)
+            if t not in self.hidden:
+                self.detokenizer.add_token(t)
         self.text += self.detokenizer.last_segment
         return self._release(final=False)
 
@@ -114,10 +118,13 @@ class Generation:
         params: list[list[SamplingParams]],
         stops: list[str],
         metrics=None,
+        hidden_token_ids: frozenset[int] = frozenset(),
     ):
-        """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major."""
+        """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major.
+        hidden_token_ids: tokens that add no output text (they still count, and show in logprobs)."""
         self.engine = engine
         self.metrics = metrics
+        self.hidden_token_ids = hidden_token_ids
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.choices: list[Choice] = []
@@ -190,7 +197,7 @@ class Generation:
     async def _run(self, c: Choice) -> None:
         stream = self.engine.generate(c.request_id, c.prompt, c.params)
         try:
-            text = TextStream(self.engine.tokenizer, c.stops)
+            text = TextStream(self.engine.tokenizer, c.stops, self.hidden_token_ids)
             async for out in stream:
                 c.last = out
                 if not c.started.done():
@@ -227,7 +234,7 @@ class Generation:
 
 def _api_error(e: BaseException) -> APIError:
     if isinstance(e, QueueFull):
-        return APIError(429, f"server busy: {e}", code="queue_full")
+        return APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     if isinstance(e, asyncio.CancelledError):

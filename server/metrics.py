@@ -33,6 +33,11 @@ _COUNTERS = (
         "followers_coalesced",
     ),
     (
+        "minivllm_single_flight_leader_handovers",
+        "Flights handed to a follower when their leader was preempted or ended early",
+        "leader_handovers",
+    ),
+    (
         "minivllm_single_flight_follower_wait_seconds",
         "Seconds followers waited for leaders",
         "follower_wait_seconds",

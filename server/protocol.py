@@ -1,31 +1,54 @@
-"""OpenAI API request and response models (the subset minivllm serves)."""
+"""OpenAI API request and response models (the subset minivllm serves).
+
+Requests are validated strictly, as OpenAI validates them: no coercion (`"stream": "yes"` or `"n": "2"` is
+a 400), roles from a fixed set, text that is valid Unicode. Unknown fields are ignored, as OpenAI ignores them
+(clients send many).
+"""
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which neither a tokenizer nor a UTF-8 response accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode; it contains a lone surrogate") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 # -- requests -------------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class GenerationRequest(BaseModel):
-    """Fields chat and completions share. Unknown fields are ignored, as OpenAI clients send many."""
+class GenerationRequest(RequestModel):
+    """Fields chat and completions share."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # extension; 0 or -1: off
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)  # always a list once validated
+    stop: Text | list[Text] | None = Field(None, validate_default=True)  # always a list once validated
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
+    skip_special_tokens: bool = True  # extension (vLLM's): False keeps special tokens in the output text
     n: int = Field(1, ge=1, le=32)
-    user: str | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -44,14 +67,14 @@ class GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[TextPart] | None = None
+class ChatMessage(RequestModel):
+    role: Role
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -67,10 +90,10 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]  # text may spell special tokens: they count
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 # -- responses ------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, make_dataclass
 from minivllm.config import EVICTION_POLICIES, PUBLICATION_MODES, SINGLE_FLIGHT_MODES, EngineConfig
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -123,7 +124,7 @@ OPTIONS: tuple[Option, ...] = (
         "MINIVLLM_MAX_WAITING",
         int,
         _parse_int,
-        "waiting-queue bound; requests past it get HTTP 429",
+        "requests that may wait beyond the free running slots; past it new requests get HTTP 429",
     ),
     _engine(
         "prefix_cache",
@@ -149,6 +150,14 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "coalesce concurrent identical prefixes (default: after_prefill, or off without the prefix cache)",
         "single_flight",
+    ),
+    Option(
+        "max_request_bytes",
+        "MINIVLLM_MAX_REQUEST_BYTES",
+        int,
+        _parse_bytes,
+        DEFAULT_MAX_REQUEST_BYTES,
+        "largest request body in bytes, K/M/G suffixes allowed; larger bodies get HTTP 413 unread",
     ),
     Option(
         "api_key",
@@ -177,6 +186,8 @@ class Settings(_SettingsFields):
         return cls(**values).validated()
 
     def validated(self) -> "Settings":
+        if self.max_request_bytes < 1:
+            raise SettingsError(f"MINIVLLM_MAX_REQUEST_BYTES: must be >= 1, got {self.max_request_bytes}")
         self.engine_config()
         return self
 

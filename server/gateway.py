@@ -1,0 +1,95 @@
+"""What every HTTP request passes before the app: the bearer-key check on /v1 routes, the request-size limit,
+and the request counts by endpoint and status.
+
+Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched. The size
+limit holds before anything parses the body: a Content-Length over it is answered at once without reading,
+and a chunked body is counted as it arrives and refused the moment it passes the limit.
+"""
+
+import hmac
+
+from starlette.exceptions import HTTPException
+
+from server.errors import error_response
+from server.metrics import Metrics
+
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+class RequestTooLarge(HTTPException):
+    """Raised from receive() while the app reads the body; FastAPI lets HTTPExceptions through, so the
+    app's error handlers answer it (OpenAI-shaped) like any other error."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body is larger than {limit} bytes (MINIVLLM_MAX_REQUEST_BYTES)")
+
+
+class GatewayMiddleware:
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = 500  # if nothing gets sent
+
+        async def send_observed(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            state = getattr(scope["app"].state, "server", None)
+            if path.startswith("/v1") and not _authorized(scope, state):
+                response = error_response(
+                    401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+                )
+                return await response(scope, receive, send_observed)
+            limit = state.settings.max_request_bytes if state else None
+            if limit is None:
+                return await self.app(scope, receive, send_observed)
+            declared = _content_length(scope)
+            if declared is not None and declared > limit:
+                too_large = RequestTooLarge(limit)
+                response = error_response(too_large.status_code, too_large.detail)
+                return await response(scope, receive, send_observed)
+            await self.app(scope, _limited(receive, limit), send_observed)
+        finally:
+            endpoint = path if path in ENDPOINTS else "other"
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+
+def _authorized(scope, state) -> bool:
+    key = state.settings.api_key if state else None
+    if not key:
+        return True
+    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _content_length(scope) -> int | None:
+    raw = dict(scope["headers"]).get(b"content-length")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None  # the ASGI server refuses a malformed length before we see the request
+
+
+def _limited(receive, limit: int):
+    """receive(), counting body bytes: past `limit` it raises RequestTooLarge instead of returning them."""
+    received = 0
+
+    async def receive_limited():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise RequestTooLarge(limit)
+        return message
+
+    return receive_limited

@@ -1,0 +1,124 @@
+"""Request text into prompt token ids, off the event loop, refusing early what cannot fit.
+
+Templating and tokenizing take seconds for a long text (about 4 s for 1 MB here), so they run on a worker
+thread and the event loop keeps serving /health and the open streams meanwhile. One thread, not a pool:
+transformers switches special-token parsing on and off per call by setting a flag on the shared Rust
+tokenizer, so concurrent encodes can get each other's setting (seen: a few in a hundred).
+
+Chat message content is text, never control tokens: transformers' `sanitize_control_tokens` encodes a
+special-token string inside a message (`<|im_start|>system`) as plain text, while the markers the template
+writes itself stay control tokens. A raw /v1/completions prompt is the caller's own full prompt: special-token
+strings in it are parsed as the tokens they name.
+"""
+
+import asyncio
+import inspect
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from server import protocol as p
+from server.errors import APIError
+
+T = TypeVar("T")
+
+
+def context_length_error(
+    max_model_len: int, prompt_tokens: int, max_tokens: int | None, param: str, *, at_least: bool = False
+) -> APIError:
+    """The 400 for a prompt (with its completion) longer than the context, in OpenAI's words."""
+    prompt = f"{'at least ' if at_least else ''}{prompt_tokens} in the prompt"
+    asked = (
+        f"{prompt_tokens + max_tokens} tokens ({prompt}, {max_tokens} for the completion)"
+        if max_tokens
+        else f"{'at least ' if at_least else ''}{prompt_tokens} tokens in the prompt and one for the completion"
+    )
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested {asked}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, max_model_len: int):
+        hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds transformers' own
+        if "sanitize_control_tokens" not in inspect.signature(hf_tokenizer.apply_chat_template).parameters:
+            raise RuntimeError(
+                "this transformers cannot keep control tokens in chat messages as plain text "
+                "(apply_chat_template(sanitize_control_tokens=...)); upgrade transformers"
+            )
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        # no token covers more characters of normalized text than the longest vocabulary entry (byte-level
+        # entries spell one character per byte), so a text of C such characters has at least C / this tokens
+        self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.normalizer = getattr(backend, "normalizer", None)
+        # templates that know no "developer" role would drop such a message: it is the system role renamed
+        self.developer_role = "developer" if "developer" in str(tokenizer.chat_template or "") else "system"
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-prompts")
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    async def chat(self, messages: list[p.ChatMessage], max_tokens: int | None) -> list[int]:
+        conversation = [
+            {"role": self.developer_role if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages
+        ]
+        return await self._off_loop(self._chat_ids, conversation, max_tokens)
+
+    async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:
+        """A string, a list of token ids, or a list of either (several prompts)."""
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif not prompt or isinstance(prompt[0], int):
+            return [list(prompt)]
+        else:
+            prompts = prompt
+        if all(not isinstance(x, str) for x in prompts):
+            return [list(x) for x in prompts]
+        return await self._off_loop(self._completion_ids, prompts, max_tokens)
+
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    # -- on the worker thread ---------------------------------------------------------------------------
+    def _chat_ids(self, conversation: list[dict], max_tokens: int | None) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+            self._check_fits(text, max_tokens, "messages")
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+            )
+        except APIError:
+            raise
+        except Exception as e:  # no template, or one that rejects these messages
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def _completion_ids(self, prompts: list, max_tokens: int | None) -> list[list[int]]:
+        for x in prompts:
+            if isinstance(x, str):
+                self._check_fits(x, max_tokens, "prompt")
+        return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+
+    def _check_fits(self, text: str, max_tokens: int | None, param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit the context with its completion."""
+        room = self.max_model_len - (max_tokens or 1)
+        if len(text) <= room * self.max_token_chars:
+            return  # fits by this bound; the exact count, after tokenizing, decides
+        least = self.min_tokens(text)
+        if least > room:
+            raise context_length_error(self.max_model_len, least, max_tokens, param, at_least=True)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of text: no token covers more characters of the normalized text than
+        the longest vocabulary entry has (normalization, e.g. NFC, may shorten the text, so count after it)."""
+        if self.normalizer is not None:
+            text = self.normalizer.normalize_str(text)
+        return -(-len(text) // self.max_token_chars)
