@@ -41,7 +41,7 @@ def test_default_model_answers_like_mlx_lm():
 @pytest.mark.slow
 def test_server_answers_a_chat_on_the_default_model():
     from server.settings import Settings
-    from tests.test_server import ServerThread
+    from tests.server_thread import ServerThread
 
     with ServerThread(Settings(model=None, kv_cache_bytes=64 << 20)) as server:
         client = server.client()

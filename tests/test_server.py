@@ -3,71 +3,20 @@ the official openai client (and httpx for what the client will not send)."""
 
 import argparse
 import asyncio
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.engine.sampling_params import choice_seed
-from server.app import create_app
 from server.serve import serve_main
 from server.settings import Settings, SettingsError, add_serve_arguments, settings_from_args
+from tests.server_thread import ServerThread, assert_error
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Paged attention stores keys and values"}]
 LONG_PROMPT = "Prefix caching reuses the KV cache of a shared prompt prefix across requests. " * 3
-
-
-class ServerThread:
-    """uvicorn.Server in a background thread, on a free port."""
-
-    def __init__(self, settings: Settings):
-        self.app = create_app(settings)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    @property
-    def engine(self):
-        return self.app.state.server.engine.engine  # the LLMEngine
-
-    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
-
-    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
-
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        """Poll until no request holds pages, then check the pool's invariants."""
-        deadline = time.monotonic() + timeout
-        eng = self.engine
-        while eng.requests or eng.pool.num_in_use:
-            assert time.monotonic() < deadline, f"engine not idle: {len(eng.requests)} requests"
-            time.sleep(0.02)
-        time.sleep(0.05)  # let the stepping thread finish its bookkeeping
-        assert eng.pool.num_in_use == 0
-        eng.check_invariants()
 
 
 def _settings(model_dir, **kw) -> Settings:
@@ -261,13 +210,6 @@ def _post(server, path: str, **kw) -> httpx.Response:
     return httpx.post(server.url + path, timeout=30, **kw)
 
 
-def _assert_error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
-
-
 @pytest.mark.parametrize(
     "path, body",
     [
@@ -295,11 +237,11 @@ def _assert_error(r: httpx.Response, status: int) -> dict:
 def test_bad_requests_are_400(server, path, body):
     for stream in (False, True):
         payload = {**body, "stream": stream} if isinstance(body, dict) else body
-        _assert_error(_post(server, path, json=payload), 400)
+        assert_error(_post(server, path, json=payload), 400)
 
 
 def test_invalid_json_is_400(server):
-    error = _assert_error(
+    error = assert_error(
         _post(
             server, "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
         ),
@@ -324,8 +266,8 @@ def test_api_key_required(guarded):
     with pytest.raises(openai.AuthenticationError):
         guarded.client(api_key="wrong").models.list()
     r = httpx.post(guarded.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
-    _assert_error(r, 401)
-    _assert_error(httpx.get(guarded.url + "/v1/nowhere"), 401)
+    assert_error(r, 401)
+    assert_error(httpx.get(guarded.url + "/v1/nowhere"), 401)
     assert httpx.get(guarded.url + "/health").status_code == 200
     r = guarded.client(api_key="sesame").completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert r.choices[0].text is not None
@@ -355,7 +297,7 @@ def test_engine_error_is_500_and_server_survives(server, client, monkeypatch):
 
     monkeypatch.setattr(server.engine.runner, "step", broken)
     r = _post(server, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
-    assert "simulated step failure" in _assert_error(r, 500)["message"]
+    assert "simulated step failure" in assert_error(r, 500)["message"]
     with httpx.stream(
         "POST", server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True}
     ) as r:

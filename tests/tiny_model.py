@@ -37,7 +37,12 @@ def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
 
 
 def make_tiny_model(
-    path: str | Path, *, seed: int = 0, num_layers: int = 2, tie_embeddings: bool = False
+    path: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    tie_embeddings: bool = False,
+    max_position_embeddings: int = 2048,
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model."""
     path = Path(path)
@@ -55,7 +60,7 @@ def make_tiny_model(
         "num_key_value_heads": 2,
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_position_embeddings,
         "rope_theta": 10000.0,
         "tie_word_embeddings": tie_embeddings,
         "eos_token_id": tok.token_to_id("<|im_end|>"),
