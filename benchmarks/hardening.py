@@ -1,0 +1,164 @@
+"""Hardening timings against a real server process: how fast an oversized body is refused (413), and how
+/health and an open stream fare while a 1 MB legal prompt is being tokenized.
+
+    python -m benchmarks.hardening [--model DIR] [--runs 5]
+
+Without --model it builds a tiny random model whose context (262,144 positions, clamped to a 64 MiB pool:
+131,072 tokens) lets the 1 MB prompt pass the length pre-check, so the server really tokenizes it (then
+refuses it: about 233,000 tokens). Prints a table; writes nothing.
+"""
+
+from __future__ import annotations
+
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.harness.results import markdown_table, metadata
+from benchmarks.harness.servers import ServerSpec, running_server
+
+BODY_8MB = json.dumps({"model": "m", "prompt": "x" * (8 << 20)}).encode()
+PROMPT_1MB = ("The quick brown fox jumps over the lazy dog. " * 30_000)[: 1 << 20]
+
+
+def ms(values: list[float]) -> str:
+    if not values:
+        return "—"
+    q = statistics.quantiles(values, n=20, method="inclusive") if len(values) > 1 else values * 19
+    return (
+        f"median {statistics.median(values) * 1e3:,.1f}, p95 {q[18] * 1e3:,.1f}, max {max(values) * 1e3:,.1f}"
+    )
+
+
+def chunks(data: bytes, size: int = 1 << 16):
+    """An iterator body: httpx sends it chunked, without a Content-Length."""
+    return (data[i : i + size] for i in range(0, len(data), size))
+
+
+def refuse_8mb(url: str, runs: int) -> dict[str, list[float]]:
+    """Seconds from sending an 8 MB body to its 413, with a Content-Length and chunked."""
+    out: dict[str, list[float]] = {"content-length": [], "chunked": []}
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for _ in range(runs):
+            for kind in out:
+                content = BODY_8MB if kind == "content-length" else chunks(BODY_8MB)
+                t = time.perf_counter()
+                r = http.post("/v1/completions", content=content, headers=headers)
+                out[kind].append(time.perf_counter() - t)
+                assert r.status_code == 413, r.text
+    return out
+
+
+async def health_during_big_prompt(url: str, model: str) -> dict[str, object]:
+    """Poll /health and read a stream while a 1 MB prompt is processed; also /health when idle."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+
+        async def poll(stop: asyncio.Event, latencies: list[float]) -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - t)
+
+        idle: list[float] = []
+        idle_stop = asyncio.Event()
+        idle_task = asyncio.create_task(poll(idle_stop, idle))
+        await asyncio.sleep(2)
+        idle_stop.set()
+        await idle_task
+
+        busy: list[float] = []
+        chunk_times: list[float] = []
+        done = asyncio.Event()
+        first_chunk = asyncio.Event()
+
+        async def stream() -> None:
+            body = {
+                "model": model,
+                "prompt": "abc",
+                "max_tokens": 100_000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        chunk_times.append(time.perf_counter())
+                        first_chunk.set()
+                    if done.is_set():
+                        return
+
+        streaming = asyncio.create_task(stream())
+        await first_chunk.wait()
+        await asyncio.sleep(0.5)
+        polling = asyncio.create_task(poll(done, busy))
+        t0 = time.perf_counter()
+        r = await http.post("/v1/completions", json={"model": model, "prompt": PROMPT_1MB, "max_tokens": 1})
+        t1 = time.perf_counter()
+        done.set()
+        await polling
+        await streaming
+    during = [b - a for a, b in zip(chunk_times, chunk_times[1:]) if t0 <= a and b <= t1]
+    return {
+        "big": (t1 - t0, r.status_code, r.json().get("error", {}).get("message", "")[:120]),
+        "idle": idle,
+        "busy": busy,
+        "gaps": during,
+    }
+
+
+def tiny_long_context_model(root: Path) -> Path:
+    from tests.tiny_model import make_tiny_model
+
+    return make_tiny_model(root / "tiny-long", max_position_embeddings=1 << 18)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, help="model dir (default: a tiny random long-context model)")
+    p.add_argument("--runs", type=int, default=5, help="8 MB bodies sent per kind")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or tiny_long_context_model(Path(tmp))
+        env = {"MINIVLLM_KV_CACHE_BYTES": "64M", "MINIVLLM_LOG_LEVEL": "warning"}
+        with running_server(ServerSpec("minivllm", model, env=env, label="hardening")) as server:
+            refused = refuse_8mb(server.base_url, args.runs)
+            big = asyncio.run(health_during_big_prompt(server.base_url, server.model_id))
+        meta = metadata(model)
+    seconds, status, message = big["big"]
+    rows = [
+        {"measurement": "8 MB body -> 413, Content-Length (ms)", "value": ms(refused["content-length"])},
+        {"measurement": "8 MB body -> 413, chunked (ms)", "value": ms(refused["chunked"])},
+        {
+            "measurement": "1 MB prompt: time to its answer",
+            "value": f"{seconds * 1e3:,.0f} ms, HTTP {status}",
+        },
+        {"measurement": "/health idle (ms)", "value": f"{ms(big['idle'])} ({len(big['idle'])} polls)"},
+        {
+            "measurement": "/health while the 1 MB prompt is processed (ms)",
+            "value": f"{ms(big['busy'])} ({len(big['busy'])} polls)",
+        },
+        {
+            "measurement": "stream: gaps between chunks meanwhile (ms)",
+            "value": f"{ms(big['gaps'])} ({len(big['gaps'])} gaps)",
+        },
+    ]
+    print(
+        f"# hardening timings ({meta['date']}, commit {meta['git']['commit']}, dirty {meta['git']['dirty']})"
+    )
+    print(f"# machine: {meta['machine']}")
+    print(f"# the 1 MB prompt's answer: {message}")
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
