@@ -1,4 +1,4 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread, for the server tests."""
+"""A real uvicorn server on 127.0.0.1 in a background thread, and helpers, for the server tests."""
 
 import socket
 import threading
@@ -57,6 +57,11 @@ class ServerThread:
         time.sleep(0.05)  # let the stepping thread finish its bookkeeping
         assert eng.pool.num_in_use == 0
         eng.check_invariants()
+
+
+def tiny_settings(model_dir, **overrides) -> Settings:
+    """A server of the tiny model at model_dir, served as "tiny", with a 4 MiB KV pool unless overridden."""
+    return Settings(**{"model": str(model_dir), "model_name": "tiny", "kv_cache_bytes": 4 << 20, **overrides})
 
 
 def assert_error(r: httpx.Response, status: int) -> dict:

@@ -14,18 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from server.settings import Settings
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, tiny_settings
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    settings_ = Settings(
-        model=str(tiny_model_dir), model_name=MODEL, kv_cache_bytes=4 << 20, max_model_len=128
-    )
-    with ServerThread(settings_) as server:
+    with ServerThread(tiny_settings(tiny_model_dir, max_model_len=128)) as server:
         yield server
 
 

@@ -23,8 +23,7 @@ from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models import loader
 from minivllm.models.gguf_import import conversion_temp_prefixes
 from server.prompts import PromptBuilder
-from server.settings import Settings
-from tests.server_thread import ServerThread, assert_error
+from tests.server_thread import ServerThread, assert_error, tiny_settings
 from tests.tiny_model import make_tiny_model
 
 MODEL = "tiny"
@@ -33,13 +32,9 @@ COMPLETIONS = "/v1/completions"
 ONE_MB_PROMPT = ("The quick brown fox jumps over the lazy dog. " * 30_000)[: 1 << 20]
 
 
-def _settings(model_dir, **kw) -> Settings:
-    return Settings(model=str(model_dir), model_name=MODEL, **{"kv_cache_bytes": 4 << 20, **kw})
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerThread(_settings(tiny_model_dir)) as s:
+    with ServerThread(tiny_settings(tiny_model_dir)) as s:
         yield s
 
 
@@ -48,13 +43,13 @@ def long_server(tmp_path_factory):
     """A context of 262,144 positions but a pool of 131,072 tokens: the context is clamped to the pool, and
     the 1 MB prompt passes the pre-check (at most 13 characters per token here) so it is really tokenized."""
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=1 << 18)
-    with ServerThread(_settings(model, kv_cache_bytes=64 << 20)) as s:
+    with ServerThread(tiny_settings(model, kv_cache_bytes=64 << 20)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def burst_server(tiny_model_dir):
-    with ServerThread(_settings(tiny_model_dir, max_num_seqs=4, max_waiting=4)) as s:
+    with ServerThread(tiny_settings(tiny_model_dir, max_num_seqs=4, max_waiting=4)) as s:
         yield s
 
 

@@ -74,6 +74,10 @@ def test_a_request_that_can_never_fit_is_stopped_without_preempting_the_others(t
     # 12 pages: the giant's prompt takes 8, two small requests 2 each and stay within them. The giant's
     # 420 tokens would need 27 pages: when it needs a 9th page, it is stopped rather than push them out.
     engine = make_engine(tiny_model_dir, pages=12)
+    # LLMEngine clamps its context to what the pool holds (192 tokens here), so through it no request can
+    # outgrow the pool; the scheduler's own guard is checked with the model's whole context, unclamped.
+    assert engine.max_model_len == 12 * 16
+    engine.scheduler.max_model_len = 2048
     big, *small = random_prompts([120, 17, 17], seed=5)
     giant = engine.add_request("giant", big, greedy(300))
     others = [engine.add_request(f"small-{i}", p, greedy(14)) for i, p in enumerate(small)]

@@ -12,27 +12,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from minivllm.engine.sampling_params import choice_seed
 from server.serve import serve_main
 from server.settings import Settings, SettingsError, add_serve_arguments, settings_from_args
-from tests.server_thread import ServerThread, assert_error
+from tests.server_thread import ServerThread, assert_error, tiny_settings
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Paged attention stores keys and values"}]
 LONG_PROMPT = "Prefix caching reuses the KV cache of a shared prompt prefix across requests. " * 3
 
 
-def _settings(model_dir, **kw) -> Settings:
-    return Settings(model=str(model_dir), model_name=MODEL, kv_cache_bytes=4 << 20, **kw)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerThread(_settings(tiny_model_dir)) as s:
+    with ServerThread(tiny_settings(tiny_model_dir)) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir):
     """A second server: API key required, one running and one waiting request at most."""
-    with ServerThread(_settings(tiny_model_dir, api_key="sesame", max_num_seqs=1, max_waiting=1)) as s:
+    with ServerThread(tiny_settings(tiny_model_dir, api_key="sesame", max_num_seqs=1, max_waiting=1)) as s:
         yield s
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.settings import Settings
-from tests.server_thread import ServerThread
+from tests.server_thread import ServerThread, tiny_settings
 
 MODEL = "tiny"
 REQUESTS = 1000
@@ -88,8 +87,7 @@ async def soak(url: str, requests: list[tuple[str, dict, str]], seed: int) -> li
 @pytest.mark.slow
 def test_soak_leaves_no_pages_no_requests_and_flat_memory(tiny_model_dir):
     rng = random.Random(0)
-    settings = Settings(model=str(tiny_model_dir), model_name=MODEL, kv_cache_bytes=4 << 20, max_num_seqs=8)
-    with ServerThread(settings) as server:
+    with ServerThread(tiny_settings(tiny_model_dir, max_num_seqs=8)) as server:
         asyncio.run(soak(server.url, [make_request(rng) for _ in range(100)], seed=1))  # warm-up
         server.wait_idle(timeout=60)
         rss_before = rss_bytes()
