@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
 import minivllm.models.default_model as dm
+import server.prompts as prompts_module
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, QueueFull
 from minivllm.engine.sampler import sample
@@ -161,6 +162,17 @@ def test_the_pre_check_never_overcounts(tiny_model_dir, text):
     """min_tokens is a lower bound for any text, normalization (NFC) included, so the pre-check is sound."""
     builder = _builder(tiny_model_dir)
     assert builder.min_tokens(text) <= len(builder.tokenizer.encode(text))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(st.sampled_from("ae\u0301\u0323\u0302 \u1100\u1161\u11a8"), max_size=80))
+def test_normalizing_in_pieces_never_overcounts(tiny_model_dir, text):
+    """Normalized in pieces of 7 characters, cut inside composing sequences (NFC joins e + marks, and
+    Hangul jamo), the count stays at most the whole text's normalized length."""
+    builder = _builder(tiny_model_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prompts_module, "NORMALIZED_PIECE", 7)
+        assert builder._normalized_length(text) <= len(builder.normalizer.normalize_str(text))
 
 
 _BUILDERS: dict[Path, PromptBuilder] = {}
