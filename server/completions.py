@@ -197,11 +197,12 @@ async def generate(
     choices = len(prompts) * body.n
     if choices > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n")
-    if choices > state.engine.engine.max_requests:
+    max_waiting = state.engine.engine.config.max_waiting
+    if choices > max_waiting:  # on a busy server every choice must wait: they must fit the queue together
         raise APIError(
             400,
-            f"{choices} choices (prompts x n) can never be admitted together: this server holds at most "
-            f"{state.engine.engine.max_requests} requests (MINIVLLM_MAX_NUM_SEQS + MINIVLLM_MAX_WAITING)",
+            f"{choices} choices (prompts x n) can never be admitted together: on a busy server they all wait, "
+            f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
     params, first = [], 0

@@ -98,11 +98,6 @@ class LLMEngine:
             )
         return min(wanted, pool_tokens)
 
-    @property
-    def max_requests(self) -> int:
-        """The most requests the engine holds at once: every running slot plus the waiting queue's bound."""
-        return self.config.max_num_seqs + self.config.max_waiting
-
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
