@@ -10,7 +10,7 @@ from minivllm.models import backend as _backend  # noqa: F401  (preloads OpenBLA
 
 # isort: split
 from minivllm.config import EngineConfig
-from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
 from minivllm.llm import LLM
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutput"]

@@ -21,6 +21,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, QueueFull
 from minivllm.engine.sampler import sample
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.sequence import Sequence
 from minivllm.models import loader
 from minivllm.models.gguf_import import conversion_temp_prefixes
 from server.prompts import PromptBuilder
@@ -414,4 +415,4 @@ def test_a_vanishing_temperature_samples_greedily():
     logits = mx.array([[0.0, 1.0, -2.0, 3.0, 0.0]])
     for temperature in (5e-324, 1e-300, 1e-6):
         params = SamplingParams(temperature=temperature, top_p=0.5)
-        assert sample(logits, [params], [1], [0]).tolist() == [3]
+        assert sample(logits, [Sequence("r", [0], params, seed=1)]).tolist() == [3]

@@ -12,6 +12,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from llguidance import LLMatcher
+
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
@@ -24,6 +26,7 @@ class _Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    matcher: LLMatcher | None  # the compiled grammar of params.structured_output
     accepted: asyncio.Future  # resolves when the engine took (or refused) the request
 
 
@@ -77,10 +80,13 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not self.is_running:
             raise RuntimeError("engine is not running")
+        matcher = None
+        if params.structured_output is not None:  # compiled in a worker, never on the stepping thread
+            matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
-        self._inbox.put(_Add(request_id, prompt, params, accepted))
+        self._inbox.put(_Add(request_id, prompt, params, matcher, accepted))
         finished = False
         try:
             await accepted  # re-raises the engine's validation error
@@ -152,7 +158,7 @@ class AsyncEngine:
         if item.accepted.cancelled():
             return
         try:
-            self.engine.add_request(item.request_id, item.prompt, item.params)
+            self.engine.add_request(item.request_id, item.prompt, item.params, item.matcher)
         except Exception as e:
             self._loop.call_soon_threadsafe(_settle, item.accepted, e)
             return

@@ -9,9 +9,12 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from llguidance import LLMatcher
+
 from minivllm.cache.eviction import make_policy
 from minivllm.cache.page_pool import PagePool, PoolCounters
 from minivllm.config import EngineConfig
+from minivllm.engine.grammar import GrammarCompiler, MaskCounters
 from minivllm.engine.model_runner import KVGeometry, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import Scheduler
@@ -41,6 +44,7 @@ class RequestOutput:
     num_pages_published: int = 0
     num_output_tokens: int = 0
     flight_role: str | None = None
+    stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
     error: str | None = None  # why it ended, when the finish reason alone does not say
 
 
@@ -54,9 +58,14 @@ class LLMEngine:
         self.num_pages = num_pages = self._num_pages(geometry)
         self.pool = self._new_pool()
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
-        self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size)
+        self.mask_counters = MaskCounters()
+        self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size, self.mask_counters)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(config, self.pool, self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(
+            config, self.pool, self.eos_token_ids, self.max_model_len, self.mask_counters
+        )
+        # tokenizer._tokenizer: the Hugging Face tokenizer inside mlx-lm's wrapper
+        self.grammars = GrammarCompiler(self.tokenizer._tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.num_steps = 0
         logger.info(
@@ -100,17 +109,26 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        matcher: LLMatcher | None = None,
     ) -> Sequence:
+        """matcher: params.structured_output compiled by `self.grammars.matcher` off this thread (the
+        async engine does); without it, a structured-output request compiles here."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
+        self._validate_params(params)
         if self.scheduler.num_queued() >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if params.structured_output is not None and matcher is None:
+            matcher = self.grammars.matcher(params.structured_output)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(request_id, token_ids, params, seed=seed)
+        seq = Sequence(request_id, token_ids, params, seed=seed, matcher=matcher)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -128,6 +146,11 @@ class LLMEngine:
         pages = -(-(len(token_ids) + 1) // self.config.page_size)
         if pages > self.pool.num_pages:
             raise ValueError(f"prompt needs {pages} KV pages; the pool has {self.pool.num_pages}")
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[0]}")
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -210,6 +233,7 @@ class LLMEngine:
             num_pages_published=seq.num_pages_published,
             num_output_tokens=len(seq.output_token_ids),
             flight_role=seq.flight_role,
+            stop_token_id=seq.stop_token_id,
             error=seq.finish_detail if seq.is_finished else None,
         )
 
@@ -240,6 +264,8 @@ class LLMEngine:
             "pages_evicted": p.pages_evicted,
             "pages_restored": p.pages_restored,
             "steps": self.num_steps,
+            "grammar_masks": self.mask_counters.masks,
+            "grammar_mask_seconds": self.mask_counters.seconds,
         }
         if self.scheduler.flights:
             f = self.scheduler.flights.counters

@@ -8,6 +8,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kernels.paged_attention import build_layout
+from minivllm.engine.grammar import MaskCounters, token_bitmasks
 from minivllm.engine.sampler import log_softmax, sample
 from minivllm.engine.sequence import Sequence, TokenLogprob
 from minivllm.models.qwen2 import KVPools, forward
@@ -40,11 +41,19 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, geometry: KVGeometry, num_pages: int, page_size: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        geometry: KVGeometry,
+        num_pages: int,
+        page_size: int,
+        mask_counters: MaskCounters,
+    ):
         self.model = model
         self.page_size = page_size
         self.geometry = geometry
         self.num_slots = num_pages * page_size
+        self.mask_counters = mask_counters
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -87,12 +96,14 @@ class ModelRunner:
             mx.eval(self.kv.keys, self.kv.values)
             return outputs
         chosen = [seqs[i] for i in sampling]
-        tokens = sample(
-            logits,
-            [s.params for s in chosen],
-            [s.seed for s in chosen],
-            [len(s.token_ids) for s in chosen],
-        )
+        # grammar masks depend only on tokens already accepted: computed on the host while the graph
+        # is still lazy, so the step keeps its single evaluation
+        constrained = [row for row, s in enumerate(chosen) if s.matcher is not None]
+        bitmasks = None
+        if constrained:
+            matchers = [chosen[row].matcher for row in constrained]
+            bitmasks = token_bitmasks(matchers, logits.shape[-1], self.mask_counters)
+        tokens = sample(logits, chosen, bitmasks, constrained)
         want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
         extra = self._logprob_graph(tokens, logits, want, chosen) if want else ()
         mx.eval(tokens, *extra, self.kv.keys, self.kv.values)  # the step's one evaluation

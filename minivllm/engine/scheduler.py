@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from minivllm.cache.page_pool import PagePool
 from minivllm.config import EngineConfig
+from minivllm.engine.grammar import MaskCounters, advance
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.single_flight import FlightCoordinator
 
@@ -30,7 +31,14 @@ class CacheCounters:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, eos_token_ids: set[int], max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: PagePool,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        mask_counters: MaskCounters,
+    ):
         self.config = config
         self.pool = pool
         self.page_size = pool.page_size
@@ -42,6 +50,7 @@ class Scheduler:
         self.counters = CacheCounters()
         self.finished: list[Sequence] = []  # ended since the engine last collected them
         self.step_seqs: list[Sequence] = []
+        self.mask_counters = mask_counters
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -183,9 +192,20 @@ class Scheduler:
         seq.token_ids.append(out.token)
         if out.logprob is not None:
             seq.logprobs.append(out.logprob)
+        if seq.matcher is not None:
+            advance(seq.matcher, out.token, self.mask_counters)
         p = seq.params
         if (out.token in self.eos_token_ids and not p.ignore_eos) or out.token in p.stop_token_ids:
+            seq.stop_token_id = out.token
             self.finish(seq, "stop")
+        elif seq.matcher is not None and seq.matcher.is_error():
+            seq.finish_detail = f"grammar error: {seq.matcher.get_error()}"
+            logger.error("request %s: %s", seq.request_id, seq.finish_detail)
+            self.finish(seq, "error")
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            if out.token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos
+                seq.stop_token_id = out.token
+            self.finish(seq, "stop")  # the grammar is complete and allows nothing more
         elif (
             len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens
             or len(seq.token_ids) >= self.max_model_len

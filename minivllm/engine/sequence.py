@@ -3,9 +3,13 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.cache.page_hash import extend_page_hashes
 from minivllm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -30,6 +34,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     finish_detail: str | None = None  # why, when the reason alone does not say (a fault, a pool too small)
+    stop_token_id: int | None = None  # the EOS / stop token that ended it (not part of the text)
+    matcher: "LLMatcher | None" = None  # structured output: the grammar's state after token_ids
     page_table: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full pages of token_ids
     num_computed_tokens: int = 0  # tokens whose KV is in the pool

@@ -1,0 +1,93 @@
+"""Grammar-constrained decoding with llguidance: compiled matchers, and the token masks they give.
+
+A request with structured output carries an `LLMatcher`: it starts at the grammar's beginning, advances
+with each accepted token, and tells which tokens may come next. Compiling a grammar (and building the
+llguidance tokenizer, ~2 s for a 150k vocabulary, once) happens on the caller's thread, never on the
+stepping thread: the async engine compiles in a worker before handing the request over. Compiled
+grammars are cached by their text, so every request with the same schema gets a cheap copy.
+"""
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import numpy as np
+from llguidance import LLMatcher
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from minivllm.engine.sampling_params import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON with json.dumps's separators: no free whitespace, so a model cannot emit newlines forever
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """llguidance's grammar for a spec (also the compile cache's key)."""
+    if spec.lark is not None:
+        return LLMatcher.grammar_from_lark(spec.lark)
+    schema = spec.json_schema if spec.json_schema is not None else {"type": "object"}
+    return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+class GrammarCompiler:
+    """Thread-safe: the async engine calls it from worker threads."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: set[int], cache_size: int = 128):
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                start = time.perf_counter()
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos
+                )
+                logger.info("grammar tokenizer built in %.2f s", time.perf_counter() - start)
+            return self._tokenizer
+
+    def matcher(self, spec: StructuredOutput) -> LLMatcher:
+        """A fresh matcher at the start of spec's grammar. Raises ValueError for an invalid grammar."""
+        return self._compiled(grammar_text(spec)).deep_copy()
+
+    def _compile(self, grammar: str) -> LLMatcher:
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid grammar: {matcher.get_error()}")
+        return matcher
+
+
+@dataclass
+class MaskCounters:
+    masks: int = 0  # token masks computed (one per constrained request per step)
+    seconds: float = 0.0  # host time computing masks and advancing matchers
+
+
+def token_bitmasks(matchers: list[LLMatcher], vocab_size: int, counters: MaskCounters) -> np.ndarray:
+    """[len(matchers), ceil(vocab_size / 32)] int32: bit t % 32 of word t // 32 is set when the matcher
+    accepts token t next (llguidance's layout; the sampler unpacks it on the device)."""
+    start = time.perf_counter()
+    bitmask = allocate_token_bitmask(len(matchers), vocab_size)
+    for row, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher, bitmask, row)
+    counters.masks += len(matchers)
+    counters.seconds += time.perf_counter() - start
+    return bitmask
+
+
+def advance(matcher: LLMatcher, token: int, counters: MaskCounters) -> None:
+    """Feed an accepted token to the matcher (the mask allowed it, so this cannot fail)."""
+    start = time.perf_counter()
+    matcher.consume_token(token)
+    counters.seconds += time.perf_counter() - start
