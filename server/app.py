@@ -19,6 +19,9 @@ from server.gateway import GatewayMiddleware
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
 from server.settings import Settings
+from server.structured import chat_output, check_compiles
+from server.token_bytes import token_bytes_of
+from server.tools import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,16 @@ def _state(settings: Settings, engine: AsyncEngine, metrics: Metrics) -> ServerS
     token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
     prompts = PromptBuilder(tokenizer, engine.engine.max_model_len)
     special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
-    return ServerState(settings, engine, metrics, settings.served_model_name, token_text, prompts, special)
+    return ServerState(
+        settings,
+        engine,
+        metrics,
+        settings.served_model_name,
+        token_text,
+        prompts,
+        special,
+        token_bytes_of(tokenizer),
+    )
 
 
 def _configure_logging(level: str) -> None:
@@ -84,15 +96,29 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
         st: ServerState = request.app.state.server
         return p.ModelList(data=[p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> p.ModelCard:
+        st: ServerState = request.app.state.server
+        st.check_model(model_id)
+        return p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         st: ServerState = request.app.state.server
         st.check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        prompt = await until_disconnect(request, lambda: st.prompts.chat(body.messages, max_tokens))
+        tools = ToolCalling.of(body, st.engine.tokenizer)
+        template_tools = tools and tools.template_tools()
+        prompt = await until_disconnect(
+            request, lambda: st.prompts.chat(body.messages, max_tokens, template_tools)
+        )
+        structured = chat_output(body, tools)
+        if structured is not None:
+            param = "tool_choice" if tools and tools.forced else "response_format"
+            await check_compiles(st.engine.engine.grammars, structured, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        fmt = ChatFormat(st.token_text, body.logprobs)
-        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs)
+        fmt = ChatFormat(st, body.logprobs, tools)
+        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):

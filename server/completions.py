@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.async_engine import AsyncEngine
-from minivllm.engine.sampling_params import SamplingParams, choice_seed
+from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
 from server.errors import APIError, ClientDisconnected, error_body
@@ -23,6 +23,7 @@ from server.generation import Delta, Generation
 from server.metrics import Metrics
 from server.prompts import PromptBuilder, context_length_error
 from server.settings import Settings
+from server.tools import ToolCalling, ToolCallStream, call_deltas
 
 MAX_CHOICES = 64
 
@@ -36,6 +37,7 @@ class ServerState:
     token_text: Callable[[int], str]  # one token's text, for logprobs
     prompts: PromptBuilder
     special_token_ids: frozenset[int]  # left out of output text unless a request asks for them
+    token_bytes: Callable[[int], bytes]  # one token's own bytes, for logprobs
 
     @property
     def max_model_len(self) -> int:
@@ -59,6 +61,7 @@ def sampling_params(
     prompt_len: int,
     max_model_len: int,
     first_index: int,
+    structured: StructuredOutput | None = None,
 ) -> list[SamplingParams]:
     """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i)."""
     room = max_model_len - prompt_len
@@ -75,6 +78,12 @@ def sampling_params(
                 stop_token_ids=list(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_p=body.min_p,
+                logit_bias=body.token_bias,
+                structured_output=structured,
             )
             for j in range(body.n)
         ]
@@ -86,35 +95,48 @@ def sampling_params(
 class ChatFormat:
     id_prefix = "chatcmpl"
 
-    def __init__(self, token_text: Callable[[int], str], logprobs: bool):
-        self.token_text = token_text
+    def __init__(self, state: "ServerState", logprobs: bool, tools: ToolCalling | None = None):
+        self.token_text = state.token_text
+        self.token_bytes = state.token_bytes
         self.logprobs = logprobs
+        self.tools = tools
         self._role_sent: set[int] = set()
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def response(
         self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict
     ) -> p.ChatCompletionResponse:
-        choices = [
-            p.ChatChoice(
-                index=i,
-                message=p.ChatResponseMessage(content="".join(d.text for d in deltas)),
-                logprobs=self._logprobs([lp for d in deltas for lp in d.logprobs]),
-                finish_reason=deltas[-1].finish_reason,
-            )
-            for i, deltas in enumerate(per_choice)
-        ]
+        choices = []
+        for i, deltas in enumerate(per_choice):
+            text, reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
+            calls = None
+            if self.tools is not None:
+                stream = ToolCallStream(self.tools)
+                text, calls = stream.feed(text, final=True)
+                reason = _tool_finish(reason, calls)
+            message = p.ChatResponseMessage(content=text or (None if calls else ""), tool_calls=calls or None)
+            logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
+            choices.append(p.ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
         return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 
-    def chunk(self, rid: str, model: str, d: Delta) -> p.ChatCompletionChunk:
+    def chunks(self, rid: str, model: str, d: Delta) -> list[p.ChatCompletionChunk]:
         role = None if d.index in self._role_sent else "assistant"
         self._role_sent.add(d.index)
-        choice = p.ChatChunkChoice(
-            index=d.index,
-            delta=p.ChatDelta(role=role, content=d.text),
-            logprobs=self._logprobs(d.logprobs),
-            finish_reason=d.finish_reason,
-        )
-        return p.ChatCompletionChunk(id=rid, model=model, choices=[choice])
+        text, calls, reason, first_call = d.text, [], d.finish_reason, 0
+        if self.tools is not None:
+            stream = self._tool_streams.setdefault(d.index, ToolCallStream(self.tools))
+            text, calls = stream.feed(d.text, final=reason is not None)
+            reason = _tool_finish(reason, stream.calls)
+            first_call = len(stream.calls) - len(calls)
+        deltas = [p.ChatDelta(role=role, content=text)] if text or role else []
+        deltas += call_deltas(calls, first_call)
+        if not deltas and (reason is not None or d.logprobs):
+            deltas.append(p.ChatDelta())
+        choices = [p.ChatChunkChoice(index=d.index, delta=delta) for delta in deltas]
+        if choices:  # the finish reason and the logprobs ride on the last chunk
+            choices[-1].finish_reason = reason
+            choices[-1].logprobs = self._logprobs(d.logprobs)
+        return [p.ChatCompletionChunk(id=rid, model=model, choices=[c]) for c in choices]
 
     def usage_chunk(self, rid: str, model: str, usage: dict) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage)
@@ -133,8 +155,16 @@ class ChatFormat:
         )
 
     def _top(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {
+            "token": self.token_text(token_id),
+            "logprob": logprob,
+            "bytes": list(self.token_bytes(token_id)),
+        }
+
+
+def _tool_finish(reason: str | None, calls: list) -> str | None:
+    """A choice that ended by itself ("stop") after calling tools ends with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and calls else reason
 
 
 class CompletionFormat:
@@ -159,8 +189,8 @@ class CompletionFormat:
             finish_reason=deltas[-1].finish_reason,
         )
 
-    def chunk(self, rid: str, model: str, d: Delta) -> p.CompletionResponse:
-        return p.CompletionResponse(id=rid, model=model, choices=[self._choice(d.index, [d])])
+    def chunks(self, rid: str, model: str, d: Delta) -> list[p.CompletionResponse]:
+        return [p.CompletionResponse(id=rid, model=model, choices=[self._choice(d.index, [d])])]
 
     def usage_chunk(self, rid: str, model: str, usage: dict) -> p.CompletionResponse:
         return p.CompletionResponse(id=rid, model=model, choices=[], usage=usage)
@@ -193,6 +223,7 @@ async def generate(
     prompts: list[list[int]],
     max_tokens: int | None,
     logprobs: int | None,
+    structured: StructuredOutput | None = None,
 ) -> Response:
     choices = len(prompts) * body.n
     if choices > MAX_CHOICES:
@@ -205,9 +236,16 @@ async def generate(
             f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
+    vocab_size = state.engine.engine.vocab_size
+    if any(t >= vocab_size for t in body.token_bias):
+        raise APIError(
+            400, f"logit_bias: token ids must be below the vocabulary size {vocab_size}", param="logit_bias"
+        )
     params, first = [], 0
     for prompt in prompts:
-        params.append(sampling_params(body, max_tokens, logprobs, len(prompt), state.max_model_len, first))
+        params.append(
+            sampling_params(body, max_tokens, logprobs, len(prompt), state.max_model_len, first, structured)
+        )
         first += body.n
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
@@ -251,7 +289,8 @@ async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage
                 yield _data(error_body(503 if d.finish_reason == "abort" else 500, d.error))
                 break
             if d.text or d.finish_reason or (fmt.logprobs and d.logprobs):
-                yield _data(fmt.chunk(rid, model, d))
+                for chunk in fmt.chunks(rid, model, d):
+                    yield _data(chunk)
         else:
             if gen.closed:
                 return  # the client is gone

@@ -95,7 +95,7 @@ class Choice:
 
     def to_delta(self, out: RequestOutput, text: TextStream) -> Delta:
         tokens, logprobs = out.new_token_ids, out.new_logprobs
-        if out.finish_reason == "stop" and tokens:  # the EOS / stop token: not part of the text
+        if out.stop_token_id is not None and tokens:  # the EOS / stop token: not part of the text
             logprobs = logprobs[: len(tokens) - 1]
             tokens = tokens[:-1]
         piece = text.add(tokens)

@@ -26,6 +26,12 @@ _COUNTERS = (
     ("minivllm_pages_evicted", "Cached KV pages evicted", "pages_evicted"),
     ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
     ("minivllm_engine_steps", "Engine steps", "steps"),
+    ("minivllm_grammar_masks", "Token masks computed for structured output", "grammar_masks"),
+    (
+        "minivllm_grammar_mask_seconds",
+        "Host seconds computing token masks and advancing grammars",
+        "grammar_mask_seconds",
+    ),
     ("minivllm_single_flight_flights_opened", "Single-flight flights opened", "flights_opened"),
     (
         "minivllm_single_flight_followers_coalesced",

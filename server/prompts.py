@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from server import protocol as p
 from server.errors import APIError
+from server.tools import conversation
 
 T = TypeVar("T")
 NORMALIZED_PIECE = 1 << 16  # characters normalized per call
@@ -65,12 +66,15 @@ class PromptBuilder:
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
 
-    async def chat(self, messages: list[p.ChatMessage], max_tokens: int | None) -> list[int]:
-        conversation = [
-            {"role": self.developer_role if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
-        return await self._off_loop(self._chat_ids, conversation, max_tokens)
+    async def chat(
+        self, messages: list[p.ChatMessage], max_tokens: int | None, tools: list[dict] | None = None
+    ) -> list[int]:
+        """tools: the request's tools, for a template that renders them (None: no tools in the prompt)."""
+        turns = conversation(messages)
+        for turn in turns:
+            if turn["role"] == "developer":
+                turn["role"] = self.developer_role
+        return await self._off_loop(self._chat_ids, turns, max_tokens, tools)
 
     async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:
         """A string, a list of token ids, or a list of either (several prompts)."""
@@ -88,14 +92,16 @@ class PromptBuilder:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
     # -- on the worker thread ---------------------------------------------------------------------------
-    def _chat_ids(self, conversation: list[dict], max_tokens: int | None) -> list[int]:
+    def _chat_ids(
+        self, turns: list[dict], max_tokens: int | None, tools: list[dict] | None = None
+    ) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                turns, tools=tools, add_generation_prompt=True, tokenize=False
             )
             self._check_fits(text, max_tokens, "messages")
             ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+                turns, tools=tools, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
             )
         except APIError:
             raise

@@ -1,14 +1,18 @@
 """OpenAI API request and response models (the subset minivllm serves).
 
-Requests are validated strictly, as OpenAI validates them: no coercion (`"stream": "yes"` or `"n": "2"` is
-a 400), roles from a fixed set, text that is valid Unicode. Unknown fields are ignored, as OpenAI ignores them
-(clients send many).
+Every OpenAI field is either honoured or refused with a 400 naming it (the README lists them). Requests are
+validated strictly, as OpenAI validates them: no coercion (`"stream": "yes"` or `"n": "2"` is a 400), roles
+from a fixed set, text that is valid Unicode. Unknown fields are ignored, as OpenAI ignores them (clients
+send many).
 """
 
+import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 def _valid_unicode(text: str) -> str:
@@ -48,9 +52,28 @@ class GenerationRequest(RequestModel):
     ignore_eos: bool = False  # extension
     skip_special_tokens: bool = True  # extension (vLLM's): False keeps special tokens in the output text
     n: int = Field(1, ge=1, le=32)
-    user: Text | None = None
+    user: Text | None = None  # no effect on the output, as at OpenAI
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)  # extension
+    min_p: float = Field(0.0, ge=0, le=1)  # extension
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -72,9 +95,57 @@ class TextPart(RequestModel):
     text: Text
 
 
+class FunctionCall(RequestModel):
+    name: Text
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            value = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"arguments must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be a JSON object")
+        return v
+
+
+class ToolCall(RequestModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Role
     content: Text | list[TextPart] | None = None
+    name: Text | None = None  # passed to the chat template
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages
+    audio: Any = None  # refused
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v):
+        if v is not None:
+            raise ValueError("audio is not supported")
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        return v
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -82,11 +153,120 @@ class ChatMessage(RequestModel):
         return self.content or ""
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; absent: no parameters
+    strict: bool | None = None  # calls forced by tool_choice always follow the schema
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema")
+        return self
+
+
+def _refuse(field: str, allowed=(None,)):
+    """A validator that refuses a field unless its value is one of `allowed`."""
+
+    def check(cls, v):
+        if v not in allowed:
+            raise ValueError(
+                f"{field} is not supported" + (f" (only {allowed[1:]})" if len(allowed) > 1 else "")
+            )
+        return v
+
+    return field_validator(field)(classmethod(check))
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    # OpenAI fields without effect on the output here or there: accepted
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache needs no hint
+    # refused: 400 naming the field
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    service_tier: str | None = None
+    store: bool | None = None
+
+    _no_functions = _refuse("functions")
+    _no_function_call = _refuse("function_call")
+    _no_audio = _refuse("audio")
+    _no_prediction = _refuse("prediction")
+    _no_web_search = _refuse("web_search_options")
+    _no_reasoning = _refuse("reasoning_effort")
+    _no_verbosity = _refuse("verbosity")
+    _tier = _refuse("service_tier", (None, "auto", "default"))
+    _no_store = _refuse("store", (None, False))
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v):
+        if v is not None and v != ["text"]:
+            raise ValueError("only the text modality is supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, v):
+        named = isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
+        if v is None or v in ("none", "auto", "required") or named:
+            return v
+        raise ValueError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(GenerationRequest):
@@ -94,6 +274,9 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: Text | None = None
+    best_of: int | None = None
+
+    _one_best = _refuse("best_of", (None, 1))
 
 
 # -- responses ------------------------------------------------------------------------------------------
@@ -124,9 +307,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -148,9 +343,22 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -38,20 +38,58 @@ def test_default_model_answers_like_mlx_lm():
     assert "reverse" in out.text.lower()
 
 
-@pytest.mark.slow
-def test_server_answers_a_chat_on_the_default_model():
+@pytest.fixture(scope="module")
+def default_server():
     from server.settings import Settings
     from tests.server_thread import ServerThread
 
     with ServerThread(Settings(model=None, kv_cache_bytes=64 << 20)) as server:
-        client = server.client()
-        (model,) = [m.id for m in client.models.list().data]
-        reply = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Write a Python function to reverse a string."}],
-            max_tokens=48,
-            temperature=0,
-        )
+        yield server
+
+
+@pytest.mark.slow
+def test_server_answers_a_chat_on_the_default_model(default_server):
+    client = default_server.client()
+    (model,) = [m.id for m in client.models.list().data]
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write a Python function to reverse a string."}],
+        max_tokens=48,
+        temperature=0,
+    )
     answer = reply.choices[0].message.content
     assert "def " in answer and "reverse" in answer.lower()
     assert reply.usage.completion_tokens == 48 and reply.usage.prompt_tokens > 20
+
+
+GET_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.slow
+def test_default_model_calls_a_tool_on_its_own(default_server):
+    """tool_choice auto: nothing forces the call; the model writes it, the server parses it."""
+    client = default_server.client()
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[GET_WEATHER],
+        tool_choice="auto",
+        max_tokens=64,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"
