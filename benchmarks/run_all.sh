@@ -10,4 +10,5 @@ python -m benchmarks.concurrent_population --plot "$@"
 python -m benchmarks.single_flight --plot "$@"
 python -m benchmarks.single_flight --scenario churn "$@"
 python -m benchmarks.peer "$@"
+python -m benchmarks.structured "$@"
 python -m benchmarks.replay_sweep
