@@ -11,6 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tokenizers.decoders import DecodeStream
+
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.llm_engine import QueueFull, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
@@ -24,10 +26,15 @@ RETRY_AFTER_S = "1"  # a full queue drains as requests finish: seconds at the mo
 class TextStream:
     """Incremental detokenization that releases text only once it cannot be the start of a stop string,
     so a stop string split across tokens never leaks into the output. Hidden tokens (the special tokens,
-    unless a request asks for them) add no text."""
+    unless a request asks for them) add no text.
+
+    The text is what decoding all tokens at once gives (tokenizers' DecodeStream: it waits for a whole
+    UTF-8 character, and keeps the first token's leading space, which a completion needs: "The quick
+    brown" + " fox")."""
 
     def __init__(self, tokenizer, stops: list[str], hidden: frozenset[int] = frozenset()):
-        self.detokenizer = tokenizer.detokenizer
+        self.tokenizer = tokenizer._tokenizer.backend_tokenizer  # the Rust tokenizer inside mlx-lm's wrapper
+        self.decoder = DecodeStream(skip_special_tokens=False)
         self.hidden = hidden
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
@@ -38,13 +45,10 @@ class TextStream:
     def add(self, token_ids: list[int]) -> str:
         for t in token_ids:
             if t not in self.hidden:
-                self.detokenizer.add_token(t)
-        self.text += self.detokenizer.last_segment
+                self.text += self.decoder.step(self.tokenizer, t) or ""  # None: a character still incomplete
         return self._release(final=False)
 
     def finish(self) -> str:
-        self.detokenizer.finalize()
-        self.text += self.detokenizer.last_segment
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

@@ -89,6 +89,22 @@ def test_completions_string_and_token_prompts(server, client):
     assert _stream_text(stream)[0] == r.choices[0].text
 
 
+def test_completion_text_keeps_the_first_tokens_leading_space(server, client):
+    """The text is what decoding the generated tokens gives, a first token's leading space included
+    (prompt + text must read as one string: "The quick brown" + " fox")."""
+    tokenizer = server.engine.tokenizer
+    (fox,) = tokenizer.encode(" fox")  # one token whose text starts with a space
+    forced = {str(fox): 100}
+    r = client.completions.create(
+        model=MODEL, prompt="The quick brown", max_tokens=2, temperature=0, logit_bias=forced
+    )
+    assert r.choices[0].text == " fox fox"
+    stream = client.completions.create(
+        model=MODEL, prompt="The quick brown", max_tokens=2, temperature=0, stream=True, logit_bias=forced
+    )
+    assert _stream_text(stream)[0] == " fox fox"
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(
         model=MODEL,
