@@ -7,8 +7,9 @@ Accounting (policy-independent): for each request, k is the number of blocks
 resident from index 0 up to the first miss, checked *before* the request
 touches the cache; hit tokens += min(k * block_size, input_length). Then every
 block of the request is accessed against the policy in order, with the previous
-block as its parent, and once the request is done its blocks are released tail
-first: the same calls the engine's page pool makes.
+block as its parent (and the last one flagged partial when input_length does not
+fill it), and once the request is done its blocks are released tail first: the
+same calls the engine's page pool makes.
 
 Policies: "adaptive" (the engine's default, also reachable as "default"),
 "s3fifo", "lru", "fifo" come from :mod:`minivllm.cache.eviction` (the very
@@ -132,7 +133,7 @@ class Infinite(EvictionPolicy):
     def __iter__(self) -> Iterator:
         return iter(self._keys)
 
-    def access(self, key: object, parent: object = None) -> list:
+    def access(self, key: object, parent: object = None, partial: bool = False) -> list:
         self._keys.add(key)
         return []
 
@@ -165,7 +166,7 @@ class Belady(EvictionPolicy):
     def __iter__(self) -> Iterator:
         return iter(self._last)
 
-    def access(self, key: object, parent: object = None) -> list:
+    def access(self, key: object, parent: object = None, partial: bool = False) -> list:
         i = self._clock
         self._clock += 1
         self._position = 0 if parent is None else self._position + 1
@@ -214,7 +215,7 @@ class BeladyPrefix(EvictionPolicy):
     def __iter__(self) -> Iterator:
         return iter(self._resident)
 
-    def access(self, key: object, parent: object = None) -> list:
+    def access(self, key: object, parent: object = None, partial: bool = False) -> list:
         i = self._clock
         self._clock += 1
         node = self._resident.get(key)
@@ -316,10 +317,11 @@ def replay(
         total_tokens += req.input_length
         hit_blocks += k
         total_blocks += len(req.hash_ids)
-        parent = None
-        for h in req.hash_ids:
+        parent, last = None, len(req.hash_ids) - 1
+        partial_tail = req.input_length < len(req.hash_ids) * block_size  # the last block is not full
+        for i, h in enumerate(req.hash_ids):
             parents.setdefault(h, parent)
-            cache.access(h, parent)
+            cache.access(h, parent, partial_tail and i == last)
             parent = h
         for h in reversed(req.hash_ids):  # the request is done: its blocks are released tail first
             cache.release(h)

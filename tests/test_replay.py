@@ -306,3 +306,12 @@ def test_cli_bad_trace_exits_2_without_traceback(tmp_path, capsys):
 def test_cli_bad_args_exit_2(trace_file, args, capsys):
     assert main([str(trace_file), *args]) == 2
     assert capsys.readouterr().err
+
+
+def test_partial_last_block_is_flagged_to_the_policy():
+    # capacity 3: [9], then [1, 2] whose block 2 is partial (700 < 1024 tokens), then [3] needs a victim:
+    # the adaptive policy takes the partial block, not 9, the least recently released, so [9] hits
+    trace = [req([9]), req([1, 2], 700), req([3]), req([9])]
+    assert replay(trace, "adaptive", 3).hit_blocks == 1
+    full = [req([9]), req([1, 2]), req([3]), req([9])]  # the same with a full last block: 9 goes
+    assert replay(full, "adaptive", 3).hit_blocks == 0
