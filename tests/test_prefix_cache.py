@@ -4,7 +4,7 @@ import pytest
 import xxhash
 
 from minivllm import EngineConfig, SamplingParams
-from minivllm.cache.eviction import LRU, make_policy
+from minivllm.cache.eviction import LRU, Adaptive, make_policy
 from minivllm.cache.page_pool import PagePool
 from minivllm.engine.llm_engine import LLMEngine
 from tests.test_engine import random_prompts
@@ -157,6 +157,37 @@ def test_prefix_aware_policy_gives_up_the_tail():
     assert set(pool.index) == {b"a", b"b"}
     assert pool.counters.pages_evicted == 1 and pool.counters.pages_unreachable == 0
     pool.check_invariants()
+
+
+def test_pool_tells_the_policy_about_uses_tail_first_releases_and_parents():
+    calls = []
+
+    class Recording(Adaptive):
+        def access(self, key, parent=None, partial=False):
+            calls.append(("access", key, parent))
+            return super().access(key, parent, partial)
+
+        def release(self, key):
+            calls.append(("release", key))
+            super().release(key)
+
+    pool = PagePool(8, 2, Recording(8))
+    pages = pool.allocate(3)
+    for i, h in enumerate([b"a", b"b", b"c"]):
+        pool.publish(pages[i], h, [None, b"a", b"b"][i], [i, i])
+    pool.acquire(pages[:2])  # a second request restores a and b
+    pool.release(pages)  # the first request ends: c is cached, a and b still in use
+    pool.release(pages[:2])
+    assert calls == [
+        ("access", b"a", None),
+        ("access", b"b", b"a"),
+        ("access", b"c", b"b"),
+        ("access", b"a", None),
+        ("access", b"b", b"a"),
+        ("release", b"c"),
+        ("release", b"b"),
+        ("release", b"a"),
+    ]
 
 
 def test_invariants_catch_a_policy_that_claims_prefix_awareness_falsely():
