@@ -1,6 +1,8 @@
 """Sweep eviction policies x cache capacities over the shared Mooncake traces.
 
-Writes benchmarks/results/replay_sweep.{json,md} and replay_sweep_<trace>.png.
+Every policy the engine offers (the default first), the offline optima (belady, belady-prefix) and the
+infinite cache, at 0.5k-20k blocks. Writes benchmarks/results/replay_sweep.{json,md} and
+replay_sweep_<trace>.png.
 
     python benchmarks/replay_sweep.py [--traces-dir ../shared/traces] [--capacities 1000,2000,...]
 """
@@ -22,11 +24,12 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from minivllm.replay import format_table, load_trace, plot_sweep, replay, sweep  # noqa: E402
+from minivllm.cache.eviction import POLICIES as ENGINE_POLICIES  # noqa: E402
+from minivllm.replay import OFFLINE_POLICIES, format_table, load_trace, plot_sweep, replay, sweep  # noqa: E402
 
 TRACES = ("mooncake_conversation_trace", "mooncake_synthetic_trace")
-POLICIES = ("s3fifo", "lru", "fifo", "belady", "infinite")
-CAPACITIES = (1000, 2000, 5000, 10000, 20000, 50000, 100000)
+POLICIES = ENGINE_POLICIES + OFFLINE_POLICIES
+CAPACITIES = (500, 1000, 2000, 3000, 5000, 10000, 20000)
 TIMING_CAPACITY = 10000  # capacity for the per-policy timing of one full conversation replay
 
 
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "block_size": 512,
         "s3fifo": {"small_ratio": 0.1, "max_freq": 3},
+        "adaptive": {"history": 4.0},
         "policies": list(POLICIES),
         "capacities": capacities,
         "conversation_full_replay_seconds": {"capacity": TIMING_CAPACITY, **timing},
@@ -105,14 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     md = [
         "# Prefix-cache replay sweep",
         "",
-        "Token hit rate (block size 512; S3FIFO small_ratio 0.1, max_freq 3).",
-        "S3FIFO follows the seed literally: S drains (freq-0 blocks to the ghost) whenever S is full,",
-        "even while M has room, so it can stay below `infinite` at capacities above the unique block count.",
+        f"Commit {record['git_commit']}. Token hit rate (block size 512; adaptive history 4; S3FIFO",
+        "small_ratio 0.1, max_freq 3). `adaptive` is the engine's default. S3FIFO follows the seed literally:",
+        "S drains (freq-0 blocks to the ghost) whenever S is full, even while M has room. `belady` is the",
+        "offline optimum over the flattened block stream (ties: the deeper block); `belady-prefix` restricts",
+        "it to tails of cached prefixes, so it never caches a block its prefix cannot reach.",
         "",
     ]
     for name, res in results.items():
         md += [f"## {name}", "", f"{res['requests']} requests, {res['unique_blocks']} unique blocks.", ""]
         md += [format_table(res["rows"]), ""]
+        md += ["Blocks cached at the end that no lookup can reach (a block of their prefix was evicted):", ""]
+        md += [format_table(res["rows"], "unreachable_blocks"), ""]
         plot_sweep(res["rows"], args.out_dir / f"replay_sweep_{name}.png", title=name)
     (args.out_dir / "replay_sweep.md").write_text("\n".join(md))
     print("\n".join(md))

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = runner.parse_args(p, argv)
     if args.kv_dtype_bytes is None:
-        args.kv_dtype_bytes = 4 if models.is_cpu_backend() else 2  # minivllm runs float32 on CPU
+        args.kv_dtype_bytes = models.kv_dtype_bytes()
     asyncio.run(run(args))
 
 

@@ -2,7 +2,8 @@
 
 from dataclasses import dataclass
 
-EVICTION_POLICIES = ("s3fifo", "lru", "fifo")
+EVICTION_POLICIES = ("adaptive", "s3fifo", "lru", "fifo")  # minivllm.cache.eviction.POLICIES
+DEFAULT_EVICTION = "adaptive"
 PUBLICATION_MODES = ("incremental", "completion")
 SINGLE_FLIGHT_MODES = ("off", "at_completion", "after_prefill")
 
@@ -18,7 +19,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting: int = 256  # requests waiting beyond the free running slots; past it: QueueFull (HTTP 429)
     enable_prefix_caching: bool = True
-    eviction: str = "s3fifo"
+    eviction: str = DEFAULT_EVICTION
     publication: str = "incremental"
     single_flight: str = "after_prefill"
 

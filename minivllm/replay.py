@@ -6,14 +6,22 @@ A trace is JSON lines, one request each: ``hash_ids`` (chained block hashes,
 Accounting (policy-independent): for each request, k is the number of blocks
 resident from index 0 up to the first miss, checked *before* the request
 touches the cache; hit tokens += min(k * block_size, input_length). Then every
-block of the request is accessed against the policy in order.
+block of the request is accessed against the policy in order, with the previous
+block as its parent (and the last one flagged partial when input_length does not
+fill it), and once the request is done its blocks are released tail first: the
+same calls the engine's page pool makes.
 
-Policies: "s3fifo", "lru", "fifo" come from :mod:`minivllm.cache.eviction` (the very
-classes the engine runs); "belady" (offline optimum) and "infinite" (never
-evicts) live here because they need the whole trace.
+Policies: "adaptive" (the engine's default, also reachable as "default"),
+"s3fifo", "lru", "fifo" come from :mod:`minivllm.cache.eviction` (the very
+classes the engine runs); "belady", "belady-prefix" (offline optima) and
+"infinite" (never evicts) live here because they need the whole trace.
 
-CLI: ``python -m minivllm.replay TRACE --policy s3fifo --capacity 10000 [--json]``
-or ``--sweep --policies s3fifo,lru --capacities 1000,10000 [--plot out.png]``.
+Each run also reports ``unreachable_blocks``: blocks still cached at the end
+whose prefix is not (a block whose parent, or its parent's parent, ... was
+evicted can never be hit again; a prefix-aware policy leaves none).
+
+CLI: ``python -m minivllm.replay TRACE --policy default --capacity 10000 [--json]``
+or ``--sweep --policies adaptive,s3fifo,lru --capacities 1000,10000 [--plot out.png]``.
 """
 
 from __future__ import annotations
@@ -24,15 +32,18 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minivllm.cache.eviction import POLICIES, make_policy
+from minivllm.cache.eviction import POLICIES, EvictionPolicy, make_policy
+from minivllm.config import DEFAULT_EVICTION
 
 logger = logging.getLogger(__name__)
 
-REPLAY_POLICIES = POLICIES + ("belady", "infinite")
+OFFLINE_POLICIES = ("belady", "belady-prefix", "infinite")
+REPLAY_POLICIES = POLICIES + OFFLINE_POLICIES
+DEFAULT = "default"  # resolves to the engine's default policy
 
 
 class TraceError(ValueError):
@@ -48,11 +59,13 @@ class TraceRequest:
 
 @dataclass(slots=True)
 class ReplayResult:
+    policy: str  # the policy's name ("default" resolved)
     hit_tokens: int
     total_tokens: int
     token_hit_rate: float
     hit_blocks: int  # sum over requests of the prefix hit length k
     total_blocks: int  # sum over requests of len(hash_ids)
+    unreachable_blocks: int  # cached at the end, but some block of their prefix is not
 
 
 # --- loading ---
@@ -105,7 +118,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
 # --- offline policies ---
 
 
-class Infinite:
+class Infinite(EvictionPolicy):
     """Never evicts: the upper bound any finite cache can reach."""
 
     def __init__(self) -> None:
@@ -114,12 +127,18 @@ class Infinite:
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
-    def access(self, key: object) -> list:
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._keys)
+
+    def access(self, key: object, parent: object = None, partial: bool = False) -> list:
         self._keys.add(key)
         return []
 
 
-class Belady:
+class Belady(EvictionPolicy):
     """Offline optimum (MIN): on a miss when full, evict the resident block used farthest in the future.
 
     Ties (typically blocks never used again) go to the deeper block first, the one
@@ -134,20 +153,28 @@ class Belady:
         self.capacity = capacity
         self._next_use = _next_uses(requests)
         self._clock = 0  # index of the next access in the flattened trace
+        self._position = -1  # position of the latest access in its request
         self._last: dict = {}  # resident key -> access index of its latest access
         self._heap: list = []
 
     def __contains__(self, key: object) -> bool:
         return key in self._last
 
-    def access(self, key: object, position: int) -> list:
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._last)
+
+    def access(self, key: object, parent: object = None, partial: bool = False) -> list:
         i = self._clock
         self._clock += 1
+        self._position = 0 if parent is None else self._position + 1
         evicted = []
         if key not in self._last and len(self._last) >= self.capacity:
             evicted.append(self._pop_farthest())
         self._last[key] = i
-        heapq.heappush(self._heap, (-self._next_use[i], -position, i, key))
+        heapq.heappush(self._heap, (-self._next_use[i], -self._position, i, key))
         return evicted
 
     def _pop_farthest(self) -> object:
@@ -156,6 +183,77 @@ class Belady:
             if self._last.get(key) == i:  # still the key's live entry
                 del self._last[key]
                 return key
+
+
+class BeladyPrefix(EvictionPolicy):
+    """The prefix-aware optimum: Belady over the tails of cached prefixes only.
+
+    The victim is the block used farthest in the future among blocks with no cached child (ties:
+    the deeper one), and a block whose parent is not cached is not admitted, so the cache never
+    keeps a child without its parent. Every use of a block follows a use of its parent in the same
+    request, so a parent is never needed later than its child and the victim is a tail anyway; it
+    differs from ``belady`` where that one evicts the parent of the block it is admitting (the
+    farthest block when both are needed no more): ``belady`` caches the child, unreachable, while
+    this one leaves the slot free.
+    """
+
+    def __init__(self, capacity: int, requests: Sequence[TraceRequest]):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._next_use = _next_uses(requests)
+        self._clock = 0
+        self._resident: dict = {}  # key -> [next use, depth, parent, cached children, access index]
+        self._heap: list = []  # (-next use, -depth, access index, key) of childless blocks
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._resident
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._resident)
+
+    def access(self, key: object, parent: object = None, partial: bool = False) -> list:
+        i = self._clock
+        self._clock += 1
+        node = self._resident.get(key)
+        if node is not None:
+            node[0], node[4] = self._next_use[i], i
+            self._push(key, node)
+            return []
+        if parent is not None and parent not in self._resident:
+            return []  # unreachable if admitted: not cached
+        evicted = []
+        if len(self._resident) >= self.capacity:
+            evicted.append(self._evict())
+            if parent is not None and parent not in self._resident:
+                return evicted  # the parent itself was the farthest: the child is needed no sooner
+        depth = 0 if parent is None else self._resident[parent][1] + 1
+        node = [self._next_use[i], depth, parent, 0, i]
+        self._resident[key] = node
+        if parent is not None:
+            self._resident[parent][3] += 1  # no longer a tail: its heap entry goes stale
+        self._push(key, node)
+        return evicted
+
+    def _push(self, key: object, node: list) -> None:
+        if node[3] == 0:
+            heapq.heappush(self._heap, (-node[0], -node[1], node[4], key))
+
+    def _evict(self) -> object:
+        while True:
+            _, _, i, key = heapq.heappop(self._heap)
+            node = self._resident.get(key)
+            if node is None or node[4] != i or node[3]:
+                continue  # stale: accessed again, evicted, or has a cached child now
+            del self._resident[key]
+            if node[2] is not None:
+                parent = self._resident[node[2]]
+                parent[3] -= 1
+                self._push(node[2], parent)
+            return key
 
 
 def _next_uses(requests: Sequence[TraceRequest]) -> list[float]:
@@ -172,6 +270,26 @@ def _next_uses(requests: Sequence[TraceRequest]) -> list[float]:
 # --- replay ---
 
 
+def resolve_policy(name: str) -> str:
+    """Resolve "default" to the engine's default policy; other names pass through."""
+    return DEFAULT_EVICTION if name == DEFAULT else name
+
+
+def make_cache(
+    requests: Sequence[TraceRequest], policy_name: str, capacity: int, **options: float
+) -> EvictionPolicy:
+    """The policy to replay: an online one from the engine's module, or an offline one over the trace."""
+    if policy_name == "belady":
+        return Belady(capacity, requests)
+    if policy_name == "belady-prefix":
+        return BeladyPrefix(capacity, requests)
+    if policy_name == "infinite":
+        return Infinite()
+    if policy_name in POLICIES:
+        return make_policy(policy_name, capacity, **options)
+    raise ValueError(f"unknown policy {policy_name!r}; expected one of {', '.join(REPLAY_POLICIES)}")
+
+
 def replay(
     requests: Sequence[TraceRequest],
     policy_name: str,
@@ -179,22 +297,15 @@ def replay(
     block_size: int = 512,
     small_ratio: float = 0.1,
     max_freq: int = 3,
+    history: float = 4.0,
 ) -> ReplayResult:
     """Replay the trace against one policy and capacity (in blocks)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if policy_name == "belady":
-        cache = Belady(capacity, requests)
-        access: Callable[[int, int], object] = cache.access
-    elif policy_name == "infinite":
-        cache = Infinite()
-        access = lambda key, _pos: cache.access(key)  # noqa: E731
-    elif policy_name in POLICIES:
-        cache = make_policy(policy_name, capacity, small_ratio=small_ratio, max_freq=max_freq)
-        access = lambda key, _pos: cache.access(key)  # noqa: E731
-    else:
-        raise ValueError(f"unknown policy {policy_name!r}; expected one of {', '.join(REPLAY_POLICIES)}")
-
+    policy_name = resolve_policy(policy_name)
+    options = {"small_ratio": small_ratio, "max_freq": max_freq, "history": history}
+    cache = make_cache(requests, policy_name, capacity, **options)
+    parents: dict = {}  # block -> the block before it, as the trace first showed it
     hit_tokens = total_tokens = hit_blocks = total_blocks = 0
     for req in requests:
         k = 0
@@ -206,10 +317,38 @@ def replay(
         total_tokens += req.input_length
         hit_blocks += k
         total_blocks += len(req.hash_ids)
-        for pos, h in enumerate(req.hash_ids):
-            access(h, pos)
+        parent, last = None, len(req.hash_ids) - 1
+        partial_tail = req.input_length < len(req.hash_ids) * block_size  # the last block is not full
+        for i, h in enumerate(req.hash_ids):
+            parents.setdefault(h, parent)
+            cache.access(h, parent, partial_tail and i == last)
+            parent = h
+        for h in reversed(req.hash_ids):  # the request is done: its blocks are released tail first
+            cache.release(h)
     rate = hit_tokens / total_tokens if total_tokens else 0.0
-    return ReplayResult(hit_tokens, total_tokens, rate, hit_blocks, total_blocks)
+    unreachable = count_unreachable(cache, parents)
+    return ReplayResult(policy_name, hit_tokens, total_tokens, rate, hit_blocks, total_blocks, unreachable)
+
+
+def count_unreachable(cache: Iterable, parents: dict) -> int:
+    """Cached blocks with some block of their prefix not cached: no lookup can reach them."""
+    resident = set(cache)
+    reachable: dict = {}
+    for h in resident:
+        path = []
+        while h not in reachable:
+            parent = parents.get(h)
+            if parent is None:
+                reachable[h] = True
+                break
+            if parent not in resident:
+                reachable[h] = False
+                break
+            path.append(h)
+            h = parent
+        for p in path:
+            reachable[p] = reachable[h]
+    return sum(1 for h in resident if not reachable[h])
 
 
 def sweep(
@@ -219,32 +358,37 @@ def sweep(
     block_size: int = 512,
     small_ratio: float = 0.1,
     max_freq: int = 3,
+    history: float = 4.0,
     progress: Callable[[], None] | None = None,
 ) -> list[dict]:
     """One row per (policy, capacity): {"policy", "capacity", **ReplayResult}. ``progress`` is called after each."""
     rows = []
     for policy in policies:
         for capacity in capacities:
-            result = replay(requests, policy, capacity, block_size, small_ratio, max_freq)
-            rows.append({"policy": policy, "capacity": capacity, **asdict(result)})
+            result = replay(requests, policy, capacity, block_size, small_ratio, max_freq, history)
+            rows.append({"capacity": capacity, **asdict(result)})
             if progress is not None:
                 progress()
     return rows
 
 
-def format_table(rows: Sequence[dict]) -> str:
-    """Markdown table: one row per capacity, one token-hit-rate column per policy."""
+def format_table(rows: Sequence[dict], key: str = "token_hit_rate") -> str:
+    """Markdown table: one row per capacity, one column per policy, cells the rows' `key`."""
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     capacities = sorted({r["capacity"] for r in rows})
-    rate = {(r["policy"], r["capacity"]): r["token_hit_rate"] for r in rows}
+    value = {(r["policy"], r["capacity"]): r[key] for r in rows}
     lines = [
         "| capacity (blocks) | " + " | ".join(policies) + " |",
         "|---:|" + "---:|" * len(policies),
     ]
     for cap in capacities:
-        cells = [f"{rate[p, cap]:.4f}" if (p, cap) in rate else "" for p in policies]
+        cells = [_cell(value[p, cap]) if (p, cap) in value else "" for p in policies]
         lines.append(f"| {cap} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(v: float | int) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "") -> None:
@@ -295,11 +439,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="minivllm replay", description="Replay a prefix-cache trace against eviction policies."
     )
     p.add_argument("trace", help="JSON-lines trace (hash_ids, input_length[, timestamp])")
-    p.add_argument("--policy", choices=REPLAY_POLICIES, help="policy for a single replay")
+    p.add_argument(
+        "--policy",
+        choices=(DEFAULT, *REPLAY_POLICIES),
+        help=f"policy for a single replay ({DEFAULT}: the engine's, {DEFAULT_EVICTION})",
+    )
     p.add_argument("--capacity", type=int, help="cache capacity in blocks for a single replay")
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--small-ratio", type=float, default=0.1, help="S3FIFO small-queue share")
     p.add_argument("--max-freq", type=int, default=3, help="S3FIFO frequency cap")
+    p.add_argument(
+        "--history", type=float, default=4.0, help="adaptive: evicted keys remembered, times the capacity"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--sweep", action="store_true", help="replay every policy x capacity, print a Markdown table"
@@ -316,9 +467,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.sweep:
         if not args.capacities:
             p.error("--sweep needs --capacities")
-        bad = [x for x in args.policies if x not in REPLAY_POLICIES]
+        bad = [x for x in args.policies if x not in (DEFAULT, *REPLAY_POLICIES)]
         if bad or not args.policies:
-            p.error(f"--policies: unknown {bad}; choose from {', '.join(REPLAY_POLICIES)}")
+            p.error(f"--policies: unknown {bad}; choose from {DEFAULT}, {', '.join(REPLAY_POLICIES)}")
         caps = args.capacities
     else:
         if args.policy is None or args.capacity is None:
@@ -340,12 +491,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         requests = load_trace(args.trace)
-        opts = dict(block_size=args.block_size, small_ratio=args.small_ratio, max_freq=args.max_freq)
+        opts = dict(
+            block_size=args.block_size,
+            small_ratio=args.small_ratio,
+            max_freq=args.max_freq,
+            history=args.history,
+        )
         if args.sweep:
             rows = sweep(requests, args.policies, args.capacities, **opts)
         else:
             result = replay(requests, args.policy, args.capacity, **opts)
-    except ValueError as e:  # TraceError, bad S3FIFO ratios
+    except ValueError as e:  # TraceError, bad S3FIFO ratios or history
         print(f"minivllm replay: error: {e}", file=sys.stderr)
         return 2
 
@@ -361,11 +517,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(asdict(result)))
     else:
+        print(f"policy: {result.policy}")
         print(f"hit tokens: {result.hit_tokens}")
         print(f"total tokens: {result.total_tokens}")
         print(f"token hit rate: {result.token_hit_rate:.6f}")
         print(f"hit blocks: {result.hit_blocks}")
         print(f"total blocks: {result.total_blocks}")
+        print(f"unreachable blocks: {result.unreachable_blocks}")
     return 0
 
 

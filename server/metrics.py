@@ -24,6 +24,11 @@ _COUNTERS = (
     ("minivllm_computed_prompt_tokens", "Prompt tokens run through the model", "computed_prompt_tokens"),
     ("minivllm_pages_published", "KV pages published to the prefix cache", "pages_published"),
     ("minivllm_pages_evicted", "Cached KV pages evicted", "pages_evicted"),
+    (
+        "minivllm_pages_unreachable",
+        "Cached KV pages freed because a page of their prefix was evicted (0 under a prefix-aware policy)",
+        "pages_unreachable",
+    ),
     ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
     ("minivllm_engine_steps", "Engine steps", "steps"),
     ("minivllm_grammar_masks", "Token masks computed for structured output", "grammar_masks"),

@@ -1,4 +1,5 @@
-"""Eviction policies against small traces worked by hand from the seed's S3FIFO rules.
+"""Eviction policies against small traces worked by hand from the seed's S3FIFO rules (the adaptive
+policy has its own file).
 
 Queue states are written head -> tail, each resident key with its freq: S=[a0,b1] means
 a (freq 0) is the next to leave S. G holds keys only.
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, make_policy
+from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, Adaptive, make_policy
 
 
 def state(p: S3FIFO):
@@ -144,6 +145,7 @@ def test_access_returns_exactly_the_keys_that_left(name):
     for _ in range(3000):
         key = rng.randrange(60)
         evicted = p.access(key)
+        p.release(key)  # one request per key; a no-op but for the adaptive policy
         after = {k for k in range(60) if k in p}
         assert key in p
         assert len(evicted) == len(set(evicted))
@@ -232,6 +234,8 @@ def test_ordered_evict_and_remove(cls):
 
 
 def test_make_policy_builds_each_name():
+    assert isinstance(make_policy("adaptive", 10), Adaptive)
+    assert make_policy("adaptive", 10, history=2.5).history_cap == 25
     assert isinstance(make_policy("s3fifo", 10), S3FIFO)
     assert isinstance(make_policy("lru", 10), LRU)
     assert isinstance(make_policy("fifo", 10), FIFO)
@@ -247,6 +251,8 @@ def test_make_policy_builds_each_name():
         (("s3fifo", 10), {"small_ratio": 0.0}, "small_ratio"),
         (("s3fifo", 10), {"small_ratio": 1.0}, "small_ratio"),
         (("s3fifo", 10), {"max_freq": -1}, "max_freq"),
+        (("adaptive", 10), {"history": 0}, "history"),
+        (("adaptive", 0), {}, "capacity"),
     ],
 )
 def test_make_policy_rejects_bad_arguments(args, kwargs, match):

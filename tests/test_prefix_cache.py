@@ -4,7 +4,7 @@ import pytest
 import xxhash
 
 from minivllm import EngineConfig, SamplingParams
-from minivllm.cache.eviction import make_policy
+from minivllm.cache.eviction import LRU, Adaptive, make_policy
 from minivllm.cache.page_pool import PagePool
 from minivllm.engine.llm_engine import LLMEngine
 from tests.test_engine import random_prompts
@@ -105,7 +105,7 @@ def test_small_pool_evicts_only_unreferenced_pages(tiny_model_dir):
     assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages
 
 
-@pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo"])
+@pytest.mark.parametrize("policy", ["adaptive", "lru", "fifo", "s3fifo"])
 def test_every_policy_keeps_the_page_states_consistent(tiny_model_dir, policy):
     engine = make_engine(tiny_model_dir, kv_cache_bytes=20 * PAGE_BYTES, eviction=policy, max_num_seqs=2)
     shared = random_prompts([48], seed=5)[0]
@@ -131,17 +131,77 @@ def test_a_hash_collision_is_caught_by_the_token_comparison(tiny_model_dir, monk
     assert seq_b.output_token_ids == generate(uncached, "b", b).output_token_ids
 
 
-def test_pool_frees_unreachable_descendants_first():
-    pool = PagePool(4, 2, make_policy("lru", 4))
-    pages = pool.allocate(3)
-    hashes = [b"a", b"b", b"c"]
+def cached_chain(policy: str, n: int = 3) -> PagePool:
+    """A pool of n + 1 pages holding one request's chain of n published pages, released."""
+    pool = PagePool(n + 1, 2, make_policy(policy, n + 1))
+    pages = pool.allocate(n)
+    hashes = [bytes([97 + i]) for i in range(n)]  # b"a", b"b", ...
     for i, (page, h) in enumerate(zip(pages, hashes)):
         assert pool.publish(page, h, hashes[i - 1] if i else None, [i, i])
     pool.release(pages)
-    assert pool.num_cached == 3
+    assert pool.num_cached == n
+    return pool
+
+
+def test_pool_frees_unreachable_descendants_first():
+    pool = cached_chain("lru")
     pool.allocate(2)  # 1 free page + 1 eviction: LRU evicts "a", so "b" and "c" are unreachable and freed
     assert pool.num_cached == 0 and pool.num_free == 2
+    assert pool.counters.pages_unreachable == 2
     pool.check_invariants()
+
+
+def test_prefix_aware_policy_gives_up_the_tail():
+    pool = cached_chain("adaptive")
+    pool.allocate(2)  # 1 free page + 1 eviction: the tail "c"
+    assert set(pool.index) == {b"a", b"b"}
+    assert pool.counters.pages_evicted == 1 and pool.counters.pages_unreachable == 0
+    pool.check_invariants()
+
+
+def test_pool_tells_the_policy_about_uses_tail_first_releases_and_parents():
+    calls = []
+
+    class Recording(Adaptive):
+        def access(self, key, parent=None, partial=False):
+            calls.append(("access", key, parent))
+            return super().access(key, parent, partial)
+
+        def release(self, key):
+            calls.append(("release", key))
+            super().release(key)
+
+    pool = PagePool(8, 2, Recording(8))
+    pages = pool.allocate(3)
+    for i, h in enumerate([b"a", b"b", b"c"]):
+        pool.publish(pages[i], h, [None, b"a", b"b"][i], [i, i])
+    pool.acquire(pages[:2])  # a second request restores a and b
+    pool.release(pages)  # the first request ends: c is cached, a and b still in use
+    pool.release(pages[:2])
+    assert calls == [
+        ("access", b"a", None),
+        ("access", b"b", b"a"),
+        ("access", b"c", b"b"),
+        ("access", b"a", None),
+        ("access", b"b", b"a"),
+        ("release", b"c"),
+        ("release", b"b"),
+        ("release", b"a"),
+    ]
+
+
+def test_invariants_catch_a_policy_that_claims_prefix_awareness_falsely():
+    class NotPrefixAware(LRU):
+        prefix_aware = True
+
+    pool = cached_chain("lru")
+    pool.policy = NotPrefixAware(4)
+    for h in (b"a", b"b", b"c"):  # same state, released tail first
+        pool.policy.access(h)
+    pool.check_invariants()
+    pool.allocate(2)  # evicts "a", the head
+    with pytest.raises(AssertionError, match="prefix-aware"):
+        pool.check_invariants()
 
 
 def test_pool_publishes_nothing_below_an_unpublished_parent():
@@ -195,3 +255,42 @@ def test_admission_with_many_hits_in_a_nearly_full_pool_waits_for_room(tiny_mode
     assert restoring.num_cached_tokens == 160 and restoring.finish_reason == "length"
     assert restoring.output_token_ids == reference.greedy(long_prompt, 8)
     assert running.output_token_ids == reference.greedy(running_prompt, 30)
+
+
+def test_default_policy_caches_a_long_prompt_at_first_sight(tiny_model_dir):
+    # 400 tokens = 25 pages in a 75-page pool: a third of the pool, more than S3FIFO's small queue (8)
+    n = 400
+    prompt = random_prompts([n], seed=11)[0]
+    restored = {}
+    for policy in (None, "s3fifo"):
+        kw = {} if policy is None else {"eviction": policy}
+        engine = make_engine(tiny_model_dir, kv_cache_bytes=75 * PAGE_BYTES, max_model_len=1024, **kw)
+        assert engine.config.eviction == (policy or "adaptive")
+        generate(engine, "first", prompt)
+        restored[policy] = generate(engine, "again", prompt).num_cached_tokens
+        engine.check_invariants()
+    assert restored[None] == (n - 1) // 16 * 16 == 384
+    assert restored["s3fifo"] == 0  # page 0 went to S3FIFO's ghost while the prompt was published
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "lru"])
+def test_concurrent_long_prompts_through_a_small_pool_leave_nothing_unreachable(tiny_model_dir, policy):
+    # 60 pages; 8 distinct prompts of 5-14 pages, 4 at a time, then half of them again
+    engine = make_engine(
+        tiny_model_dir, kv_cache_bytes=60 * PAGE_BYTES, max_num_seqs=4, max_model_len=1024, eviction=policy
+    )
+    prompts = random_prompts([90, 150, 120, 200, 80, 170, 130, 220], seed=12)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"first{i}", prompt, greedy(10))
+    run(engine, check=True)  # every step: every published page's parent is published
+    for i, prompt in enumerate(prompts[::2]):
+        engine.add_request(f"again{i}", prompt + [7, 8, 9], greedy(10))
+    run(engine, check=True)
+    stats = engine.stats()
+    assert stats["pages_evicted"] > 0
+    if policy == "adaptive":
+        assert stats["pages_unreachable"] == 0  # check_invariants asserts it too (prefix-aware policy)
+    else:
+        assert stats["pages_unreachable"] > 0  # LRU gives up heads: the workload does strand pages
+    pool = engine.pool
+    assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages

@@ -5,9 +5,11 @@ import random
 
 import pytest
 
+from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import (
     REPLAY_POLICIES,
     Belady,
+    BeladyPrefix,
     TraceError,
     TraceRequest,
     format_table,
@@ -76,21 +78,34 @@ def test_eviction_lowers_hits_and_capacity_one_counts_nothing_here():
     assert replay(trace, "lru", capacity=1).hit_blocks == 0
 
 
-def test_belady_evicts_farthest_next_use():
-    cache = Belady(2, [req([1, 2]), req([3]), req([1])])
-    for pos, h in enumerate([1, 2]):
-        cache.access(h, pos)
+@pytest.mark.parametrize("cls", [Belady, BeladyPrefix])
+def test_belady_evicts_farthest_next_use(cls):
+    cache = cls(2, [req([1, 2]), req([3]), req([1])])
+    cache.access(1)
+    cache.access(2, 1)
     # 1 is used again at access 3, 2 never again: 2 goes
-    assert cache.access(3, 0) == [2]
+    assert cache.access(3) == [2]
     assert 1 in cache and 3 in cache
 
 
-def test_belady_ties_evict_the_deeper_block():
-    cache = Belady(2, [req([1, 2]), req([3])])
-    for pos, h in enumerate([1, 2]):
-        cache.access(h, pos)
+@pytest.mark.parametrize("cls", [Belady, BeladyPrefix])
+def test_belady_ties_evict_the_deeper_block(cls):
+    cache = cls(2, [req([1, 2]), req([3])])
+    cache.access(1)
+    cache.access(2, 1)
     # neither 1 (position 0) nor 2 (position 1) is used again: the deeper one, 2, goes
-    assert cache.access(3, 0) == [2]
+    assert cache.access(3) == [2]
+
+
+def test_belady_prefix_never_keeps_a_child_without_its_parent():
+    trace = [req([5]), req([1, 2])]  # 1 and 2 are never used again, 5 is never used again either
+    belady, prefix = Belady(1, trace), BeladyPrefix(1, trace)
+    for cache in (belady, prefix):
+        cache.access(5)
+        cache.access(1)  # evicts 5
+        cache.access(2, 1)  # the farthest is 1 (tie, then the only resident block)
+    assert list(belady) == [2]  # cached, but its parent is not: unreachable
+    assert list(prefix) == []  # 1 went and 2, which nothing could reach, was not admitted
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -98,9 +113,33 @@ def test_belady_ties_evict_the_deeper_block():
 def test_belady_beats_online_policies_and_infinite_beats_belady(seed, capacity):
     trace = random_prefix_trace(seed)
     best = replay(trace, "belady", capacity).hit_tokens
-    for policy in ("s3fifo", "lru", "fifo"):
-        assert replay(trace, policy, capacity).hit_tokens <= best
-    assert replay(trace, "infinite", capacity).hit_tokens >= best
+    best_prefix = replay(trace, "belady-prefix", capacity).hit_tokens
+    for policy in ("adaptive", "s3fifo", "lru", "fifo"):
+        assert replay(trace, policy, capacity).hit_tokens <= min(best, best_prefix)
+    assert replay(trace, "infinite", capacity).hit_tokens >= max(best, best_prefix)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unreachable_blocks_counted_and_none_under_prefix_aware_policies(seed):
+    trace = random_prefix_trace(seed, n=300)
+    counts = {policy: replay(trace, policy, 20).unreachable_blocks for policy in REPLAY_POLICIES}
+    assert counts["adaptive"] == counts["belady-prefix"] == counts["infinite"] == 0
+    assert counts["lru"] > 0 and counts["fifo"] > 0 and counts["s3fifo"] > 0
+
+
+def test_unreachable_blocks_by_hand():
+    # capacity 2, LRU: [1, 2] then [3]: 1 is the least recent and goes; 2 stays without its parent
+    r = replay([req([1, 2]), req([3])], "lru", 2)
+    assert r.unreachable_blocks == 1
+    # the adaptive policy releases [1, 2] tail first and gives up the tail, 2
+    assert replay([req([1, 2]), req([3])], "adaptive", 2).unreachable_blocks == 0
+
+
+def test_default_resolves_to_the_engine_default():
+    trace = random_prefix_trace(0, n=50)
+    r = replay(trace, "default", 10)
+    assert r.policy == DEFAULT_EVICTION == "adaptive"
+    assert r == replay(trace, DEFAULT_EVICTION, 10)
 
 
 def test_unknown_policy_rejected():
@@ -178,18 +217,52 @@ def trace_file(tmp_path):
     return write_trace(tmp_path / "t.jsonl", lines)
 
 
-def test_cli_json_has_exactly_the_five_keys(trace_file, capsys):
+def test_cli_json_keys(trace_file, capsys):
     assert main([str(trace_file), "--policy", "s3fifo", "--capacity", "20", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"hit_tokens", "total_tokens", "token_hit_rate", "hit_blocks", "total_blocks"}
+    assert set(out) == {
+        "policy",
+        "hit_tokens",
+        "total_tokens",
+        "token_hit_rate",
+        "hit_blocks",
+        "total_blocks",
+        "unreachable_blocks",
+    }
     expected = replay(load_trace(trace_file), "s3fifo", 20)
     assert out["hit_tokens"] == expected.hit_tokens
+    assert out["policy"] == "s3fifo"
+
+
+def test_cli_default_policy_is_resolved_in_the_json(trace_file, capsys):
+    assert main([str(trace_file), "--policy", "default", "--capacity", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == DEFAULT_EVICTION
+    assert out["token_hit_rate"] == replay(load_trace(trace_file), DEFAULT_EVICTION, 20).token_hit_rate
+    assert out["unreachable_blocks"] == 0
+
+
+def test_cli_history_reaches_the_adaptive_policy(trace_file, capsys):
+    trace = load_trace(trace_file)
+    for history in ("0.5", "8"):
+        args = [str(trace_file), "--policy", "adaptive", "--capacity", "10", "--history", history, "--json"]
+        assert main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["hit_tokens"] == replay(trace, "adaptive", 10, history=float(history)).hit_tokens
 
 
 def test_cli_plain_output_is_labelled(trace_file, capsys):
     assert main([str(trace_file), "--policy", "lru", "--capacity", "20"]) == 0
     labels = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
-    assert labels == ["hit tokens", "total tokens", "token hit rate", "hit blocks", "total blocks"]
+    assert labels == [
+        "policy",
+        "hit tokens",
+        "total tokens",
+        "token hit rate",
+        "hit blocks",
+        "total blocks",
+        "unreachable blocks",
+    ]
 
 
 def test_cli_sweep_prints_table_and_writes_plot(trace_file, tmp_path, capsys):
@@ -224,6 +297,7 @@ def test_cli_bad_trace_exits_2_without_traceback(tmp_path, capsys):
         ["--policy", "lru", "--capacity", "0"],
         ["--policy", "lru"],
         ["--policy", "s3fifo", "--capacity", "5", "--small-ratio", "2"],
+        ["--policy", "adaptive", "--capacity", "5", "--history", "0"],
         ["--sweep", "--capacities", "5", "--policies", "lru,arc"],
         ["--sweep", "--capacities", "5,x"],
         ["--sweep"],
@@ -232,3 +306,12 @@ def test_cli_bad_trace_exits_2_without_traceback(tmp_path, capsys):
 def test_cli_bad_args_exit_2(trace_file, args, capsys):
     assert main([str(trace_file), *args]) == 2
     assert capsys.readouterr().err
+
+
+def test_partial_last_block_is_flagged_to_the_policy():
+    # capacity 3: [9], then [1, 2] whose block 2 is partial (700 < 1024 tokens), then [3] needs a victim:
+    # the adaptive policy takes the partial block, not 9, the least recently released, so [9] hits
+    trace = [req([9]), req([1, 2], 700), req([3]), req([9])]
+    assert replay(trace, "adaptive", 3).hit_blocks == 1
+    full = [req([9]), req([1, 2]), req([3]), req([9])]  # the same with a full last block: 9 goes
+    assert replay(full, "adaptive", 3).hit_blocks == 0

@@ -379,6 +379,7 @@ def test_metrics_move(server, client):
         "minivllm_num_requests_waiting",
         "minivllm_pages_published_total",
         "minivllm_pages_evicted_total",
+        "minivllm_pages_unreachable_total",
         "minivllm_single_flight_flights_opened_total",
         "minivllm_single_flight_followers_coalesced_total",
         "minivllm_single_flight_follower_wait_seconds_total",

@@ -87,6 +87,11 @@ def float32_copy(model_dir: Path) -> Path:
     return dst
 
 
+def kv_dtype_bytes() -> int:
+    """Bytes per KV element minivllm stores: float32 on the CPU backend, 16-bit on GPUs."""
+    return 4 if is_cpu_backend() else 2
+
+
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int) -> int:
     cfg = _config(model_dir)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

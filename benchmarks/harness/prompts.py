@@ -65,6 +65,12 @@ def filler_text(seed: int, n_chars: int) -> str:
     return "".join(out)
 
 
+def chars_per_token(tokenizer, seed: int = 0) -> float:
+    """How many characters of filler text one token holds, measured on a sample."""
+    sample = filler_text(seed, 2000)
+    return len(sample) / max(1, len(tokenizer.encode(sample, add_special_tokens=False)))
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -107,9 +113,7 @@ def make_prompt(
 
         head = base[: _largest(0, len(base), lambda c: shared(c) <= target)]
     # Estimate characters per token from a sample, then over-generate and trim by binary search.
-    sample = filler_text(seed, 2000)
-    chars_per_token = len(sample) / max(1, len(tokenizer.encode(sample, add_special_tokens=False)))
-    own = filler_text(seed, int(n_tokens * chars_per_token * 1.5) + 200)
+    own = filler_text(seed, int(n_tokens * chars_per_token(tokenizer, seed) * 1.5) + 200)
 
     def length(c: int) -> int:
         return len(chat_token_ids(tokenizer, _messages(head + own[:c])))

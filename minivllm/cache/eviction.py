@@ -1,4 +1,4 @@
-"""Eviction policies for the prefix cache: S3FIFO, LRU and FIFO.
+"""Eviction policies for the prefix cache: the adaptive default, S3FIFO, LRU and FIFO.
 
 One module, shared by the engine's page pool and by the trace replay, so that
 the replay's hit rates are the numbers of the very class the engine runs.
@@ -6,27 +6,42 @@ the replay's hit rates are the numbers of the very class the engine runs.
 Every policy tracks *keys* (any hashable: a block hash, an int). It holds no
 payload: the caller owns the pages and asks the policy which key to drop.
 
-- ``access(key)`` is the access rule: a hit updates the policy's state, a miss
+- ``access(key, parent, partial)`` is the access rule: one request uses
+  ``key``, whose prompt continues the prompt of ``parent`` (the previous block,
+  None for the first); ``partial`` marks a last block that does not fill its
+  page, which only an identical prompt can reuse (the engine never publishes
+  one; trace replays have them). A hit updates the policy's state, a miss
   admits the key. It returns the keys that stopped being resident because of
   this call, in the order they left.
+- ``release(key)`` says that no request uses ``key`` any more (the pool: its
+  refcount fell to 0; the replay: the request ended). A request's keys are
+  released tail first.
 - ``remove(key)`` forgets a resident key silently (no ghost, not an eviction).
 - ``evict(can_evict)`` frees one resident key now, skipping keys the caller
   has pinned; returns it, or None if every resident key is pinned.
+
+A policy with ``prefix_aware = True`` never evicts a key while a key whose
+parent it is stays resident, so every resident key stays reachable from the
+start of a prompt. S3FIFO, LRU and FIFO ignore parents and releases.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-POLICIES = ("s3fifo", "lru", "fifo")
+POLICIES = ("adaptive", "s3fifo", "lru", "fifo")
 
 
 class EvictionPolicy:
     """The interface every policy implements. ``capacity`` counts resident keys."""
 
     capacity: int
+    prefix_aware = False
 
     def __contains__(self, key: Hashable) -> bool:
         raise NotImplementedError
@@ -34,8 +49,14 @@ class EvictionPolicy:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def access(self, key: Hashable) -> list:
+    def __iter__(self) -> Iterator[Hashable]:
         raise NotImplementedError
+
+    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
+        raise NotImplementedError
+
+    def release(self, key: Hashable) -> None:
+        """No request uses key any more. Policies that do not track use ignore it."""
 
     def remove(self, key: Hashable) -> None:
         raise NotImplementedError
@@ -72,7 +93,7 @@ class _OrderedPolicy(EvictionPolicy):
         """Resident keys, next victim first."""
         return list(self._keys)
 
-    def access(self, key: Hashable) -> list:
+    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
         if key in self._keys:
             if self.reorder_on_hit:
                 self._keys.move_to_end(key)
@@ -172,8 +193,12 @@ class S3FIFO(EvictionPolicy):
             return self._small[key]
         return self._main.get(key)
 
-    # --- the access rule ---
-    def access(self, key: Hashable) -> list:
+    def __iter__(self) -> Iterator[Hashable]:
+        yield from self._small
+        yield from self._main
+
+    # --- the access rule (parents and partial blocks play no part in it) ---
+    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
         evicted: list = []
         if key in self._small:
             self._small[key] = min(self._small[key] + 1, self.max_freq)
@@ -253,8 +278,237 @@ class S3FIFO(EvictionPolicy):
         return None  # only reached if can_evict changed its mind between passes
 
 
-def make_policy(name: str, capacity: int, *, small_ratio: float = 0.1, max_freq: int = 3) -> EvictionPolicy:
-    """Build a policy by name: "s3fifo", "lru" or "fifo"."""
+RECENT, FREQUENT = 0, 1  # the adaptive policy's segments
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A resident key of the adaptive policy."""
+
+    parent: Hashable | None
+    count: int  # requests that used the key (an evicted key's count is kept in the history)
+    partial: bool = False  # a last block shorter than a page, used by one request so far
+    children: int = 0  # resident keys whose parent this key is; only childless keys are victims
+    pinned: bool = True  # accessed and not released since: in use, never a victim
+    priority: tuple = ()  # victim order within the segment, lowest first; set at release
+    version: int = 0  # bumped whenever the entry stops being a candidate: older heap entries are stale
+
+    @property
+    def segment(self) -> int:
+        return FREQUENT if self.count >= 2 else RECENT
+
+
+class Adaptive(EvictionPolicy):
+    """The engine's default: prefix-aware, adaptive between recency and frequency.
+
+    Resident keys are split in two segments (as in ARC, Megiddo and Modha, FAST 2003):
+
+    - RECENT holds keys one request used; its victim is the least recently released key.
+    - FREQUENT holds keys two or more requests used; its victim has the lowest LFU-DA priority
+      ``age + log2(count)`` (LFU with dynamic aging, Arlitt et al. 2000): ``age`` rises to each
+      frequent victim's priority, so a key that was popular long ago ages out. The logarithm lets a
+      key stop being used after a burst without pinning it for as long as the burst lasted.
+
+    A partial block that one request used is the first victim: only an identical prompt could reuse it.
+    Only a key with no resident child is a victim (the tail of a cached prompt), and a request's keys
+    are released tail first, so a cached prompt is freed from its end and every resident key stays
+    reachable. In-use keys (accessed, not yet released) are never victims. A miss evicts only when
+    the cache is full: in the engine the pool asks for a victim only when it has no free page.
+
+    Which segment gives the victim: RECENT while it holds more than ``target_recent`` keys, else
+    FREQUENT. The target adapts as in ARC: a re-admitted key that RECENT evicted recently (within
+    ``capacity - len(RECENT)`` of its evictions, ARC's ghost list B1) means RECENT was too small, one
+    FREQUENT evicted recently (B2) that FREQUENT was; each such ghost hit moves the target by
+    ARC's step. The ghosts live in one bounded history of evicted keys, ``history`` times the
+    capacity, which also keeps each key's request count: a key used again after eviction resumes
+    its count (it enters FREQUENT). Every operation is O(log n) amortised (heaps with lazy
+    deletion, compacted when stale entries pile up).
+    """
+
+    prefix_aware = True
+
+    def __init__(self, capacity: int, history: float = 4.0):
+        _check_capacity(capacity)
+        if not history > 0:
+            raise ValueError(f"history must be > 0, got {history!r}")
+        self.capacity = capacity
+        self.history_cap = max(1, round(history * capacity))
+        self.target_recent = 0.0  # ARC's p
+        self.age = 0.0  # LFU-DA's L: the priority of the latest frequent victim
+        self._entries: dict[Hashable, _Entry] = {}
+        self._heaps: tuple[list, list] = ([], [])  # candidates per segment: (priority, version, key)
+        self._sizes = [0, 0]  # resident keys per segment
+        self._evictions = [0, 0]  # victims per segment so far: the ghost lists' clocks
+        # evicted key -> (count, segment, that segment's eviction number), oldest first
+        self._history: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
+        self._clock = 0  # release order
+
+    # --- read-only views (tests, metrics) ---
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._entries)
+
+    def segment_sizes(self) -> tuple[int, int]:
+        """Resident keys in (RECENT, FREQUENT)."""
+        return self._sizes[RECENT], self._sizes[FREQUENT]
+
+    def count(self, key: Hashable) -> int | None:
+        """Requests that used key (resident or remembered), else None."""
+        if key in self._entries:
+            return self._entries[key].count
+        return self._history[key][0] if key in self._history else None
+
+    # --- the access rule ---
+    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
+        entry = self._entries.get(key)
+        if entry is not None:  # a hit: one more request uses it
+            self._unlist(entry)
+            entry.pinned = True
+            entry.partial = False  # reused after all
+            self._resize(entry, entry.count + 1)
+            return []
+        if parent is not None and parent not in self._entries:
+            return []  # nothing could ever reach the key: not admitted
+        ghost = self._history.get(key)
+        if ghost is not None:  # a ghost hit: adapt first, as ARC does, then make room
+            self._adapt(ghost[1], ghost[2])
+        evicted = []
+        if len(self._entries) >= self.capacity:
+            victim = self.evict(lambda _: True)
+            if victim is not None:
+                evicted.append(victim)
+        if len(self._entries) >= self.capacity or (parent is not None and parent not in self._entries):
+            return evicted  # every key is in use (or the victim was the parent): not admitted
+        entry = _Entry(parent, 1 if ghost is None else ghost[0] + 1, partial and ghost is None)
+        self._history.pop(key, None)
+        self._entries[key] = entry
+        self._sizes[entry.segment] += 1
+        if parent is not None:
+            parent_entry = self._entries[parent]
+            parent_entry.children += 1
+            self._unlist(parent_entry)  # no longer a tail
+        return evicted
+
+    def release(self, key: Hashable) -> None:
+        entry = self._entries.get(key)
+        if entry is None or not entry.pinned:
+            return
+        entry.pinned = False
+        self._clock += 1
+        if entry.segment == FREQUENT:
+            entry.priority = (self.age + math.log2(entry.count), self._clock)
+        else:  # partial blocks first, then least recently released
+            entry.priority = (not entry.partial, self._clock)
+        self._list(key, entry)
+
+    def _adapt(self, segment: int, number: int) -> None:
+        """A ghost hit: grow the segment that evicted the key, if it did so recently (ARC's rule)."""
+        free = [max(1, self.capacity - size) for size in self._sizes]  # ARC's ghost list lengths
+        if self._evictions[segment] - number >= free[segment]:
+            return  # evicted too long ago: a bigger segment would not have kept it
+        step = max(1.0, free[1 - segment] / free[segment])
+        if segment == RECENT:
+            self.target_recent = min(float(self.capacity), self.target_recent + step)
+        else:
+            self.target_recent = max(0.0, self.target_recent - step)
+
+    # --- candidates: unpinned keys without resident children, in heaps with lazy deletion ---
+    def _list(self, key: Hashable, entry: _Entry) -> None:
+        entry.version += 1
+        if entry.pinned or entry.children:
+            return
+        heap = self._heaps[entry.segment]
+        heapq.heappush(heap, (entry.priority, entry.version, key))
+        if len(heap) > 2 * len(self._entries) + 64:  # mostly stale: rebuild from the live entries
+            live = [item for item in heap if self._is_live(item)]
+            heapq.heapify(live)
+            heap[:] = live
+
+    def _unlist(self, entry: _Entry) -> None:
+        entry.version += 1  # its heap entry, if any, is stale now
+
+    def _is_live(self, item: tuple) -> bool:
+        entry = self._entries.get(item[2])
+        return entry is not None and entry.version == item[1]
+
+    def _resize(self, entry: _Entry, count: int) -> None:
+        self._sizes[entry.segment] -= 1
+        entry.count = count
+        self._sizes[entry.segment] += 1
+
+    # --- engine hooks ---
+    def evict(self, can_evict: Callable[[Any], bool]) -> Any:
+        head = self._head(self._heaps[RECENT])
+        partial_first = head is not None and not head[0][0]
+        first = RECENT if partial_first or self._sizes[RECENT] > self.target_recent else FREQUENT
+        for segment in (first, 1 - first):
+            key = self._pop(self._heaps[segment], can_evict)
+            if key is not None:
+                return self._drop(key, ghost=True)
+        # No evictable tail: only when a cached key's children are all in use (the pool's private twin
+        # pages can publish under a cached parent). Give up an inner key; the caller drops its subtree.
+        for key, entry in self._entries.items():
+            if not entry.pinned and can_evict(key):
+                return self._drop(key, ghost=True)
+        return None
+
+    def _head(self, heap: list) -> tuple | None:
+        """The heap's live minimum, dropping stale entries on top."""
+        while heap and not self._is_live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _pop(self, heap: list, can_evict: Callable[[Any], bool]) -> Any:
+        skipped = []
+        found = None
+        while heap:
+            item = heapq.heappop(heap)
+            if not self._is_live(item):
+                continue
+            if can_evict(item[2]):
+                found = item[2]
+                break
+            skipped.append(item)
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def remove(self, key: Hashable) -> None:
+        """Forget a resident key: no history entry, not an eviction."""
+        if key in self._entries:
+            self._drop(key, ghost=False)
+
+    def _drop(self, key: Hashable, ghost: bool) -> Hashable:
+        entry = self._entries.pop(key)
+        segment = entry.segment
+        self._sizes[segment] -= 1
+        parent = self._entries.get(entry.parent) if entry.parent is not None else None
+        if parent is not None:
+            parent.children -= 1
+            if parent.children == 0:
+                self._list(entry.parent, parent)
+        if ghost:
+            if segment == FREQUENT and entry.priority:
+                self.age = max(self.age, entry.priority[0])
+            self._evictions[segment] += 1
+            self._history.pop(key, None)
+            self._history[key] = (entry.count, segment, self._evictions[segment])
+            if len(self._history) > self.history_cap:
+                self._history.popitem(last=False)
+        return key
+
+
+def make_policy(
+    name: str, capacity: int, *, small_ratio: float = 0.1, max_freq: int = 3, history: float = 4.0
+) -> EvictionPolicy:
+    """Build a policy by name: "adaptive", "s3fifo", "lru" or "fifo"."""
+    if name == "adaptive":
+        return Adaptive(capacity, history=history)
     if name == "s3fifo":
         return S3FIFO(capacity, small_ratio=small_ratio, max_freq=max_freq)
     if name == "lru":

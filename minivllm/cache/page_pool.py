@@ -5,7 +5,9 @@ Every page is in exactly one state:
   in use  refcount > 0 (it may also be published, i.e. shared through the index);
   cached  refcount 0, published: reusable by a later request with the same prefix, evictable.
 The eviction policy (minivllm.cache.eviction, the same classes the trace replay uses) tracks published pages
-by hash and decides which cached page to give up.
+by hash and decides which cached page to give up. The pool tells it every use (`access` with the page's
+parent: a hit or a publication) and every page that stops being used (`release`, a request's pages tail
+first), and asks it for a victim only when an allocation finds no free page.
 """
 
 import logging
@@ -25,6 +27,7 @@ class OutOfPages(RuntimeError):
 class PoolCounters:
     pages_published: int = 0
     pages_evicted: int = 0  # cached pages the policy or the allocator gave up
+    pages_unreachable: int = 0  # cached pages freed because a page of their prefix was evicted
     pages_restored: int = 0  # page hits handed to requests
 
 
@@ -38,6 +41,7 @@ class PagePool:
         self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
         self.free: deque[int] = deque(range(num_pages))
         self.index: dict[bytes, int] = {}  # published hash -> page
+        self.parent: dict[bytes, bytes | None] = {}  # published hash -> the published hash of the page before
         self.children: dict[bytes, set[bytes]] = {}  # published hash -> published hashes of the next pages
         self.num_cached = 0  # published pages with refcount 0
         self.counters = PoolCounters()
@@ -72,22 +76,26 @@ class PagePool:
         return pages
 
     def acquire(self, pages: list[int]) -> None:
-        """Share published pages with a request (a hit: the policy counts an access)."""
+        """Share a published prefix (pages from page 0) with a request: the policy counts a use of each."""
         for page in pages:
             self.num_cached -= self.refcount[page] == 0
             self.refcount[page] += 1
-            self._uncache(self.policy.access(self.page_hash[page]))
+            h = self.page_hash[page]
+            self._uncache(self.policy.access(h, self.parent[h]))
         self.counters.pages_restored += len(pages)
 
     def release(self, pages: list[int]) -> None:
-        for page in pages:
+        """A request gives its pages back, tail first: cached pages leave the cache from a prompt's end."""
+        for page in reversed(pages):
             assert self.refcount[page] > 0, f"page {page} released more often than acquired"
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                if self.page_hash[page] is None:
+                h = self.page_hash[page]
+                if h is None:
                     self.free.append(page)
                 else:
                     self.num_cached += 1
+                    self.policy.release(h)
 
     # -- allocation -----------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -115,10 +123,11 @@ class PagePool:
         self.page_hash[page] = h
         self.page_tokens[page] = tuple(tokens)
         self.index[h] = page
+        self.parent[h] = parent
         if parent is not None:
             self.children.setdefault(parent, set()).add(h)
         self.counters.pages_published += 1
-        self._uncache(self.policy.access(h))
+        self._uncache(self.policy.access(h, parent))
         return True
 
     # -- eviction -------------------------------------------------------------------------------------
@@ -128,27 +137,32 @@ class PagePool:
             if h in self.index:
                 self._drop(h)
 
-    def _drop(self, h: bytes) -> None:
-        """Unpublish h and, recursively, its descendants: with the parent gone they are unreachable,
-        so they are freed before any reachable page is."""
+    def _drop(self, h: bytes, count_orphans: bool = True) -> None:
+        """Unpublish h, which the policy no longer tracks, after the pages extending it, deepest first:
+        without h no lookup reaches them, so they are freed before any reachable page is. (A
+        prefix-aware policy never evicts a page with cached children: pages_unreachable stays 0.)"""
+        for child in self.children.pop(h, ()):
+            if child in self.index:
+                self.counters.pages_unreachable += count_orphans and self.refcount[self.index[child]] == 0
+                self._drop(child, count_orphans)
+                self.policy.remove(child)
         page = self.index.pop(h)
+        siblings = self.children.get(self.parent.pop(h))
+        if siblings is not None:
+            siblings.discard(h)
         self.counters.pages_evicted += 1
         self.page_hash[page] = None
         self.page_tokens[page] = None
         if self.refcount[page] == 0:
             self.num_cached -= 1
             self.free.append(page)
-        for child in self.children.pop(h, ()):
-            if child in self.index:
-                self.policy.remove(child)
-                self._drop(child)
 
     def clear_cache(self) -> None:
         """Forget every published page (their KV is gone); unused ones become free."""
         for h in list(self.index):
             if h in self.index:
+                self._drop(h, count_orphans=False)
                 self.policy.remove(h)
-                self._drop(h)
 
     # -- invariants -----------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -165,5 +179,12 @@ class PagePool:
         cached = sum(1 for p in self.index.values() if self.refcount[p] == 0)
         assert cached == self.num_cached, f"cached count {self.num_cached} != {cached}"
         assert self.num_free + in_use + cached == self.num_pages
+        assert len(self.policy) == len(self.index), "the policy tracks pages the index does not"
         for h, page in self.index.items():
             assert self.page_hash[page] == h and h in self.policy, "index and policy disagree"
+            parent = self.parent[h]
+            assert parent is None or parent in self.index, f"published page {page} is unreachable"
+        if self.policy.prefix_aware:
+            assert self.counters.pages_unreachable == 0, (
+                "a prefix-aware policy evicted a page with cached children"
+            )

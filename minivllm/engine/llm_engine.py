@@ -262,6 +262,7 @@ class LLMEngine:
             "preemptions": c.preemptions,
             "pages_published": p.pages_published,
             "pages_evicted": p.pages_evicted,
+            "pages_unreachable": p.pages_unreachable,
             "pages_restored": p.pages_restored,
             "steps": self.num_steps,
             "grammar_masks": self.mask_counters.masks,

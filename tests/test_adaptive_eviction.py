@@ -1,0 +1,202 @@
+"""The adaptive policy: evicts only when full, tails first, never an in-use key; ARC-style adaptation
+between its recency and frequency segments; counts remembered after eviction; LFU-DA aging."""
+
+import random
+
+from minivllm.cache.eviction import FREQUENT, LRU, RECENT, Adaptive
+
+
+def request(policy, keys, partial=False):
+    """One request: access its blocks in order (each the parent of the next), then release them tail
+    first, as the page pool and the replay do. Returns the keys evicted on the way."""
+    evicted, parent = [], None
+    for i, key in enumerate(keys):
+        evicted += policy.access(key, parent, partial and i == len(keys) - 1)
+        parent = key
+    for key in reversed(keys):
+        policy.release(key)
+    return evicted
+
+
+def test_evicts_only_when_full_and_then_one_key():
+    p = Adaptive(4)
+    assert request(p, ["a", "b"]) == [] and request(p, ["c", "d"]) == []
+    assert len(p) == 4
+    # released b, a, d, c (tail first): the oldest tail is b (a and c still have children)
+    assert request(p, ["e"]) == ["b"]
+    assert set(p) == {"a", "c", "d", "e"}
+
+
+def test_a_prompt_leaves_from_its_tail_whatever_the_release_order():
+    p = Adaptive(3)
+    for key, parent in [("a", None), ("b", "a"), ("c", "b")]:
+        p.access(key, parent)
+    for key in ["a", "b", "c"]:  # head first: a is the least recently released, but it has a child
+        p.release(key)
+    assert request(p, ["x"]) == ["c"]
+    assert request(p, ["y"]) == ["b"]  # b is a tail now, older than x
+    assert "a" in p
+
+
+def test_keys_in_use_are_never_evicted():
+    p = Adaptive(2)
+    p.access("a")
+    p.access("b")  # both in use
+    assert p.evict(lambda k: True) is None
+    assert p.access("c") == [] and "c" not in p  # no room: not admitted
+    p.release("a")
+    assert p.access("c") == ["a"]
+
+
+def test_a_key_whose_parent_is_not_cached_is_not_admitted():
+    p = Adaptive(4)
+    assert p.access("child", parent="missing") == []
+    assert "child" not in p and len(p) == 0
+
+
+def test_a_key_used_twice_survives_a_scan_of_one_time_keys():
+    p, lru = Adaptive(4), LRU(4)
+    for policy in (p, lru):
+        request(policy, ["hot"])
+        request(policy, ["hot"])
+        for i in range(20):
+            request(policy, [f"scan{i}"])
+    assert p.count("hot") == 2 and "hot" in p
+    assert "hot" not in lru
+
+
+def test_partial_block_used_once_is_the_first_victim():
+    for partial, victim in ((False, "c"), (True, "tail")):  # c: the least recently released
+        p = Adaptive(4)
+        request(p, ["c"])
+        request(p, ["a", "b", "tail"], partial=partial)
+        assert request(p, ["d"]) == [victim]
+    request(p, ["a", "b", "tail2"], partial=True)
+    request(p, ["a", "b", "tail2"], partial=True)  # an identical prompt reused it: an ordinary key now
+    assert p.count("tail2") == 2 and not p._entries["tail2"].partial
+
+
+def test_ghost_hits_move_the_recent_target_as_arc_does():
+    p = Adaptive(4)
+    for key in "abcd":
+        request(p, [key])
+    assert request(p, ["e"]) == ["a"]
+    assert p.target_recent == 0
+    # a comes back right after RECENT evicted it: ARC's B1 hit. Both ghost lists have length
+    # max(1, capacity - segment size): RECENT's 1, FREQUENT's 4, so the step is 4 / 1
+    assert request(p, ["a"]) == ["b"]
+    assert p.target_recent == 4
+    assert p.count("a") == 2 and p.segment_sizes() == (3, 1)
+    # RECENT now holds 3 <= 4 keys: FREQUENT gives the next victim, a; its return is a B2 hit
+    assert request(p, ["f"]) == ["a"]
+    assert request(p, ["a"]) == ["c"]
+    assert p.target_recent == 3  # step max(1, 1 / 4)
+    assert p.count("a") == 3  # its count survived two evictions
+
+
+def test_a_ghost_evicted_long_ago_does_not_adapt():
+    p = Adaptive(4, history=10)
+    for i in range(30):
+        request(p, [i])
+    request(p, [0])  # 25 RECENT evictions after its own: beyond ARC's ghost list, still in the history
+    assert p.target_recent == 0
+    assert p.count(0) == 2
+
+
+def test_history_is_bounded():
+    p = Adaptive(4, history=2)
+    for i in range(100):
+        request(p, [i])
+    # 0..95 were evicted; the history keeps the last 8
+    assert p.count(87) is None
+    assert p.count(88) == 1
+
+
+def test_dynamic_aging_retires_a_key_that_was_popular_long_ago():
+    p = Adaptive(3)
+    for _ in range(8):
+        request(p, ["old"])
+    survived = 0
+    for i in range(40):  # a stream of keys each used by two requests
+        request(p, [f"k{i}"])
+        request(p, [f"k{i}"])
+        if "old" not in p:
+            break
+        survived += 1
+    assert 2 <= survived < 40  # frequency protects it for a while, aging ends that
+
+
+def test_can_evict_is_honoured_and_skipped_keys_stay_candidates():
+    p = Adaptive(3)
+    for key in "abc":
+        request(p, [key])
+    assert p.evict(lambda k: k != "a") == "b"
+    assert p.evict(lambda k: True) == "a"
+
+
+def test_an_inner_key_is_given_up_only_when_no_tail_is_free():
+    p = Adaptive(3)
+    request(p, ["a"])
+    p.access("b", "a")  # in use, under a cached parent (the pool's private twin pages do this)
+    assert p.evict(lambda k: True) == "a"
+    p.remove("b")  # the caller drops the unreachable subtree
+    assert len(p) == 0 and p.segment_sizes() == (0, 0)
+
+
+def test_remove_leaves_no_history():
+    p = Adaptive(4)
+    request(p, ["a", "b"])
+    p.remove("b")
+    assert "b" not in p and p.count("b") is None
+    assert request(p, ["c"]) == []  # room freed, nothing evicted
+    assert p.evict(lambda k: True) == "a"  # a tail again, released before c
+
+
+def test_heaps_stay_bounded_without_evictions():
+    p = Adaptive(10)
+    for _ in range(5000):
+        request(p, [0, 1, 2])
+    assert sum(len(h) for h in p._heaps) <= 2 * len(p) + 64
+
+
+def check(p: Adaptive, pinned: dict) -> None:
+    assert len(p) <= p.capacity
+    assert sum(p.segment_sizes()) == len(p)
+    for key in p:
+        entry = p._entries[key]
+        assert entry.parent is None or entry.parent in p, f"{key} is unreachable"
+        assert entry.pinned == (pinned.get(key, 0) > 0)
+        assert entry.segment == (FREQUENT if entry.count >= 2 else RECENT)
+
+
+def test_random_concurrent_requests_keep_every_key_reachable():
+    rng = random.Random(1)
+    prompts = [[]]
+    next_key = 0
+    for capacity in (5, 17, 60):
+        p = Adaptive(capacity, history=3)
+        pinned: dict = {}  # key -> requests using it now
+        running = []
+        for _ in range(1500):
+            if running and (len(running) > 3 or rng.random() < 0.5):  # one request ends
+                keys = running.pop(rng.randrange(len(running)))
+                for key in reversed(keys):
+                    pinned[key] -= 1
+                    if pinned[key] == 0:
+                        p.release(key)
+            else:  # one starts: a random prefix of an earlier prompt, then new blocks
+                base = rng.choice(prompts)
+                keys = base[: rng.randint(0, len(base))] + list(range(next_key, next_key + rng.randint(1, 5)))
+                next_key += 5
+                prompts.append(keys)
+                parent, used = None, []
+                for key in keys:
+                    for victim in p.access(key, parent):
+                        assert pinned.get(victim, 0) == 0, "evicted a key in use"
+                    if key not in p:
+                        break  # not admitted (all in use): the rest of the prompt is not cached either
+                    pinned[key] = pinned.get(key, 0) + 1
+                    used.append(key)
+                    parent = key
+                running.append(used)
+            check(p, pinned)
