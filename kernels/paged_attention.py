@@ -47,16 +47,13 @@ class AttentionLayout:
     slot_mapping: mx.array  # [T] pool slot of each new token
 
 
-def page_runs(pages: list[int], page_size: int, length: int) -> list[tuple[int, int]]:
+def page_runs(pages: np.ndarray, page_size: int, length: int) -> list[tuple[int, int]]:
     """(first slot, slots) of each run of consecutive pages holding positions 0 .. length - 1."""
-    runs: list[tuple[int, int]] = []
     needed = -(-length // page_size)
-    for i, page in enumerate(pages[:needed]):
-        if i and page == pages[i - 1] + 1:
-            first, n = runs[-1]
-            runs[-1] = (first, n + page_size)
-        else:
-            runs.append((page * page_size, page_size))
+    pages = np.asarray(pages[:needed])
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    firsts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [needed]))
+    runs = [(int(pages[f]) * page_size, int(e - f) * page_size) for f, e in zip(firsts, ends)]
     first, n = runs[-1]
     runs[-1] = (first, n - (needed * page_size - length))
     return runs
@@ -69,14 +66,13 @@ def build_layout(
     seqs, positions, slots = [], [], []
     for table, start, n in zip(page_tables, starts, num_new):
         length = start + n
+        table = np.asarray(table, dtype=np.int32)
         runs = page_runs(table, page_size, length)
-        pages = None
-        if len(runs) > MAX_RUNS:
-            pages = mx.array(np.asarray(table[: -(-length // page_size)], dtype=np.int32))
+        pages = mx.array(table[: -(-length // page_size)]) if len(runs) > MAX_RUNS else None
         seqs.append(SequenceContext(start, n, runs, pages))
         new = np.arange(start, length)
         positions.append(new)
-        slots.append(np.asarray(table, dtype=np.int32)[new // page_size] * page_size + new % page_size)
+        slots.append(table[new // page_size] * page_size + new % page_size)
     return AttentionLayout(
         seqs=seqs,
         page_size=page_size,
