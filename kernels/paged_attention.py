@@ -22,6 +22,7 @@ shared by all layers. A fused Metal/CUDA kernel could replace `paged_attention` 
 signature; none is verified on a GPU yet, so this is the only implementation.
 """
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -29,6 +30,7 @@ import numpy as np
 
 BLOCK = 128  # prefill queries per causal block
 MAX_RUNS = 16  # more runs of pages than this: gather the context into one copy
+PARALLEL_MIN_SCORES = 1 << 16  # CPU: attention with fewer scores than this is not split over cores
 
 
 @dataclass
@@ -105,7 +107,7 @@ def paged_attention(
             r1 = min(seq.num_new, r0 + BLOCK)
             visible = seq.start + r1  # keys of positions 0 .. visible - 1
             k, v = _views(keys, runs, visible), _views(values, runs, visible)
-            outs.append(_attend(q[r0:r1], k, v, scale))
+            outs.append(_attend_parallel(q[r0:r1], k, v, scale))
     return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
@@ -134,6 +136,38 @@ def _views(array: mx.array, runs: list[tuple[int, int]], limit: int) -> list[mx.
         if limit == 0:
             break
     return out
+
+
+def cpu_streams() -> list[mx.Stream]:
+    """One stream per core on the CPU backend (MLX runs each CPU stream's ops on its own thread); just
+    the default stream on a GPU, which parallelises within each op."""
+    global _streams
+    if _streams is None:
+        cpu = mx.default_device() == mx.cpu
+        extra = min(os.cpu_count() or 1, 8) - 1 if cpu else 0
+        _streams = [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.cpu) for _ in range(extra)]
+    return _streams
+
+
+_streams: list[mx.Stream] | None = None
+
+
+def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:
+    """_attend, split by KV heads over the CPU's cores when there are many scores. On the CPU backend
+    element-wise work (the softmax's exp above all, ~11 ns an element) runs on one thread per stream;
+    the heads are independent, so their groups run side by side and the results are the same."""
+    L, H, D = q.shape
+    heads_kv = keys[0].shape[1]
+    streams = cpu_streams()[:heads_kv]
+    if len(streams) < 2 or L * H * sum(k.shape[2] for k in keys) < PARALLEL_MIN_SCORES:
+        return _attend(q, keys, values, scale)
+    rep, outs = H // heads_kv, []
+    for g, stream in enumerate(streams):
+        h0, h1 = g * heads_kv // len(streams), (g + 1) * heads_kv // len(streams)
+        with mx.stream(stream):
+            k, v = [x[:, h0:h1] for x in keys], [x[:, h0:h1] for x in values]
+            outs.append(_attend(q[:, h0 * rep : h1 * rep], k, v, scale).reshape(L, -1, D))
+    return mx.concatenate(outs, axis=1).reshape(L, H * D)
 
 
 def _attend(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:

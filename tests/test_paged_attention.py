@@ -69,7 +69,10 @@ def test_page_runs():
         ([list(range(0, 160, 2))], [317], [1]),  # decode over 80 one-page runs: gathered
     ],
 )
-def test_matches_dense_attention(tables, starts, num_new):
+@pytest.mark.parametrize("split", ["never", "always"])
+def test_matches_dense_attention(tables, starts, num_new, split, monkeypatch):
+    # split: attention divided by KV heads over the CPU streams (one per core) or kept whole
+    monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
     out, expected, layout = run(tables, starts, num_new)
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
