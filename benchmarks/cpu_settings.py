@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = metadata(args.model, page_size=16, backend=detect_backend().name, blas=detect_backend().blas,
                     runs=args.runs, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                     default_blas_threads=default_threads)  # fmt: skip
-    print_report(write_results(result_name("cpu_settings", args), rows, meta, raw=raw, out_dir=args.out))
+    paths = write_results(result_name("cpu_settings", args), rows, meta, raw=raw, out_dir=args.out,
+                          allow_dirty=args.allow_dirty)  # fmt: skip
+    print_report(paths)
 
 
 if __name__ == "__main__":

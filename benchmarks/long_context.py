@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         "(prefix cache); mlx-lm's batch holds one copy of the context per row."
     )
     paths = write_results(result_name("long_context", args), rows_of(rates, baseline), meta, raw=rates,
-                          notes=notes, out_dir=args.out)  # fmt: skip
+                          notes=notes, out_dir=args.out, allow_dirty=args.allow_dirty)  # fmt: skip
     print_report(paths)
 
 

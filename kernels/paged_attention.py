@@ -138,18 +138,18 @@ def _views(array: mx.array, runs: list[tuple[int, int]], limit: int) -> list[mx.
     return out
 
 
-def cpu_streams() -> list[mx.Stream]:
+def cpu_streams() -> list:
     """One stream per core on the CPU backend (MLX runs each CPU stream's ops on its own thread); just
-    the default stream on a GPU, which parallelises within each op."""
-    global _streams
-    if _streams is None:
-        cpu = mx.default_device() == mx.cpu
-        extra = min(os.cpu_count() or 1, 8) - 1 if cpu else 0
-        _streams = [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.cpu) for _ in range(extra)]
-    return _streams
+    the default stream on a GPU, which parallelises within each op. MLX streams belong to a thread: the
+    extra ones are thread-local streams, so whichever thread steps the engine gets its own."""
+    global _extra_streams
+    if _extra_streams is None:
+        cores = min(os.cpu_count() or 1, 8) if mx.default_device() == mx.cpu else 1
+        _extra_streams = [mx.new_thread_local_stream(mx.cpu) for _ in range(cores - 1)]
+    return [mx.default_stream(mx.default_device())] + _extra_streams
 
 
-_streams: list[mx.Stream] | None = None
+_extra_streams: list | None = None
 
 
 def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:

@@ -127,10 +127,10 @@ def test_long_context_quick_compares_engines_in_one_process(tiny_model_dir, tmp_
     from benchmarks import long_context
 
     repo = Path(__file__).resolve().parents[1]
-    long_context.main(
-        ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--baseline", str(repo)]
-    )
-    data = json.loads((tmp_path / "long_context-quick.json").read_text())
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--baseline", str(repo)]
+    long_context.main(args + ["--allow-dirty"])  # a clean tree writes long_context-quick.json, else -DIRTY
+    (path,) = tmp_path.glob("long_context-quick*.json")
+    data = json.loads(path.read_text())
     assert set(data["raw"]) == {"minivllm", "mlx-lm", f"baseline {data['metadata']['git']['commit']}"}
     metrics = [row["metric"] for row in data["rows"]]
     assert metrics == [
@@ -147,10 +147,10 @@ def test_cpu_settings_quick_measures_every_setting(tiny_model_dir, tmp_path):
     if not cpu_settings.OPENBLAS_PATH:
         pytest.skip("OpenBLAS is not loaded (not the CPU backend)")
     before = cpu_settings.blas_threads()
-    cpu_settings.main(
-        ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--chunks", "64,128"]
-    )
-    data = json.loads((tmp_path / "cpu_settings-quick.json").read_text())
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--chunks", "64,128"]
+    cpu_settings.main(args + ["--allow-dirty"])
+    (path,) = tmp_path.glob("cpu_settings-quick*.json")
+    data = json.loads(path.read_text())
     settings = [(row["OpenBLAS threads"], row["max_num_batched_tokens"]) for row in data["rows"]]
     assert settings == [(1, 64), (1, 128), (2, 64), (2, 128)]
     assert all(v > 0 for vs in data["raw"].values() for v in vs)

@@ -97,3 +97,19 @@ def test_kv_write_lands_in_the_slots():
     for row, slot in enumerate([5, 0, 9]):
         np.testing.assert_array_equal(got[:, slot], np.asarray(values)[row])
     assert np.count_nonzero(got.sum(axis=(0, 2))) == 3
+
+
+def test_split_attention_runs_from_any_thread(monkeypatch):
+    """MLX streams belong to a thread; the engine steps on its own thread (AsyncEngine)."""
+    import threading
+
+    monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0)
+    tables, starts, num_new = [contiguous(10, 80)], [250], [60]
+    results = []
+    for _ in range(2):
+        thread = threading.Thread(target=lambda: results.append(run(tables, starts, num_new)[:2]))
+        thread.start()
+        thread.join()
+    assert len(results) == 2
+    for out, expected in results:
+        np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
