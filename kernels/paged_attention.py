@@ -16,6 +16,8 @@ Attention runs per sequence and reads its context through its page table as runs
 Prefill chunks go in blocks of BLOCK queries; a block sees the keys up to its own last position, so the
 key blocks the causal mask hides entirely are never computed. A decode token's query heads that share a
 KV head are stacked as the rows of one matrix, so each KV head is read once, not once per query head.
+On the CPU backend, attention with many scores is split by KV heads over one MLX stream per core (MLX
+runs a CPU stream's element-wise ops, the softmax's exp above all, on one thread).
 
 The layout (runs, positions, slots) is built once per step on the host, in O(pages + new tokens), and
 shared by all layers. A fused Metal/CUDA kernel could replace `paged_attention` behind the same
