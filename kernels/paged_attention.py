@@ -1,94 +1,214 @@
 """Paged attention over a flat ragged batch, with MLX ops that run on every backend (Metal, CUDA, CPU).
 
-The KV pool of a layer is one array of shape [num_slots, n_kv_heads, head_dim] with
-num_slots = num_pages * page_size; a token at position p of a sequence lives in slot
-page_table[p // page_size] * page_size + p % page_size.
+The KV pool of a layer (keys and values alike) is one array [n_kv_heads, num_slots, head_dim] with
+num_slots = num_pages * page_size; the token at position p of a sequence lives in slot
+page_table[p // page_size] * page_size + p % page_size. Head-major, so that a range of slots is, for
+every head, a row-contiguous [n, head_dim] matrix: a slice of the pool feeds the attention matmuls as a
+view, with no copy.
 
-A step's tokens are flat: [T, ...] for all sequences together (decode tokens and prefill chunks). For
-attention they are gathered into a padded [B, Qmax] grid; each sequence's context is gathered from the
-pool through its page table into [B, Lmax]. The layout (indices and mask) is built once per step on the
-host and shared by all layers. A fused Metal/CUDA kernel could replace `paged_attention` behind the same
-signature; none is verified yet, so this is the only implementation.
+A step's tokens are flat: [T, ...] for all sequences together (decode tokens and prefill chunks).
+Attention runs per sequence and reads its context through its page table as runs of consecutive pages
+(the page pool places a request's pages consecutively where it can, so one run is the common case):
+  - one run: `mx.fast.scaled_dot_product_attention` on views of the pool;
+  - a few runs: scores per run, concatenated (head_dim times smaller than the keys), one softmax, the
+    values summed run by run, the same arithmetic as MLX's own unfused attention;
+  - more than MAX_RUNS runs: the context's pages are gathered into one copy first (bounded graph size).
+Prefill chunks go in blocks of BLOCK queries; a block sees the keys up to its own last position, so the
+key blocks the causal mask hides entirely are never computed. A decode token's query heads that share a
+KV head are stacked as the rows of one matrix, so each KV head is read once, not once per query head.
+On the CPU backend, attention with many scores is split by KV heads over one MLX stream per core (MLX
+runs a CPU stream's element-wise ops, the softmax's exp above all, on one thread).
+
+The layout (runs, positions, slots) is built once per step on the host, in O(pages + new tokens), and
+shared by all layers. A fused Metal/CUDA kernel could replace `paged_attention` behind the same
+signature; none is verified on a GPU yet, so this is the only implementation.
 """
 
+import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+BLOCK = 128  # prefill queries per causal block
+MAX_RUNS = 16  # more runs of pages than this: gather the context into one copy
+PARALLEL_MIN_SCORES = 1 << 16  # CPU: attention with fewer scores than this is not split over cores
+
+
+@dataclass
+class SequenceContext:
+    start: int  # tokens of the sequence already in the pool: the position of its first new token
+    num_new: int  # tokens it computes this step (consecutive in the flat batch)
+    runs: list[tuple[int, int]]  # (first slot, slots) covering positions 0 .. start + num_new - 1, in order
+    pages: mx.array | None = None  # its pages, when there are too many runs to slice
+
 
 @dataclass
 class AttentionLayout:
-    starts: mx.array  # [B] position of each sequence's first new token (the rope offset)
+    seqs: list[SequenceContext]
+    page_size: int
+    positions: mx.array  # [T] position of each flat token in its sequence (its rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
-    context_slots: mx.array  # [B, Lmax] pool slots of each sequence's context (padding: slot 0)
-    query_index: mx.array  # [B, Qmax] flat token index of each padded query (padding: 0)
-    flat_index: mx.array  # [T] position of each flat token in the padded [B * Qmax] grid
-    mask: mx.array  # [B, 1, Qmax, Lmax] True where a query may attend to a key
+
+
+def page_runs(pages: np.ndarray, page_size: int, length: int) -> list[tuple[int, int]]:
+    """(first slot, slots) of each run of consecutive pages holding positions 0 .. length - 1."""
+    needed = -(-length // page_size)
+    pages = np.asarray(pages[:needed])
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    firsts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [needed]))
+    runs = [(int(pages[f]) * page_size, int(e - f) * page_size) for f, e in zip(firsts, ends)]
+    first, n = runs[-1]
+    runs[-1] = (first, n - (needed * page_size - length))
+    return runs
 
 
 def build_layout(
     page_tables: list[list[int]], starts: list[int], num_new: list[int], page_size: int
 ) -> AttentionLayout:
     """starts[b]: tokens of sequence b already in the pool; num_new[b]: tokens it computes this step."""
-    B, qmax = len(starts), max(num_new)
-    lmax = max(s + n for s, n in zip(starts, num_new))
-    context_slots = np.zeros((B, lmax), dtype=np.int32)
-    query_index = np.zeros((B, qmax), dtype=np.int32)
-    flat_index = np.zeros(sum(num_new), dtype=np.int32)
-    mask = np.zeros((B, 1, qmax, lmax), dtype=bool)
-    mask[:, :, :, 0] = True  # padded query rows attend to something, so softmax stays finite
-    slot_mapping, t = [], 0
-    for b, (table, start, n) in enumerate(zip(page_tables, starts, num_new)):
+    seqs, positions, slots = [], [], []
+    for table, start, n in zip(page_tables, starts, num_new):
         length = start + n
-        positions = np.arange(length)
-        slots = np.asarray(table, dtype=np.int32)[positions // page_size] * page_size + positions % page_size
-        context_slots[b, :length] = slots
-        slot_mapping.append(slots[start:])
-        query_index[b, :n] = np.arange(t, t + n)
-        flat_index[t : t + n] = b * qmax + np.arange(n)
-        # query i sits at position start + i and sees keys 0 .. start + i (causal)
-        mask[b, 0, :n, :length] = positions[None, :] <= (start + np.arange(n))[:, None]
-        t += n
+        table = np.asarray(table, dtype=np.int32)
+        runs = page_runs(table, page_size, length)
+        pages = mx.array(table[: -(-length // page_size)]) if len(runs) > MAX_RUNS else None
+        seqs.append(SequenceContext(start, n, runs, pages))
+        new = np.arange(start, length)
+        positions.append(new)
+        slots.append(table[new // page_size] * page_size + new % page_size)
     return AttentionLayout(
-        starts=mx.array(np.asarray(starts, dtype=np.int32)),
-        slot_mapping=mx.array(np.concatenate(slot_mapping)),
-        context_slots=mx.array(context_slots),
-        query_index=mx.array(query_index),
-        flat_index=mx.array(flat_index),
-        mask=mx.array(mask),
+        seqs=seqs,
+        page_size=page_size,
+        positions=mx.array(np.concatenate(positions).astype(np.int32)),
+        slot_mapping=mx.array(np.concatenate(slots).astype(np.int32)),
     )
 
 
 def write_kv(pool: mx.array, slots: mx.array, values: mx.array) -> None:
-    """Scatter new K or V rows into the pool in place.
+    """Scatter new K or V rows ([T, n_kv_heads, head_dim]) into the pool in place.
 
     MLX arrays are values, but a scatter whose input buffer has no other reference reuses that buffer,
     so the cost is the rows written, not the pool's size. Callers must not keep other references
     to the pool array across the step.
     """
-    pool[slots] = values.astype(pool.dtype)
-
-
-def to_padded(x: mx.array, layout: AttentionLayout) -> mx.array:
-    """Flat [T, heads, D] -> padded [B, heads, Qmax, D]: each sequence's new tokens in a row."""
-    return x[layout.query_index].transpose(0, 2, 1, 3)
-
-
-def to_flat(x: mx.array, layout: AttentionLayout) -> mx.array:
-    """Padded [B, heads, Qmax, D] -> flat [T, heads, D]."""
-    B, heads, qmax, head_dim = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(B * qmax, heads, head_dim)[layout.flat_index]
+    pool[:, slots] = values.transpose(1, 0, 2).astype(pool.dtype)
 
 
 def paged_attention(
     queries: mx.array, k_pool: mx.array, v_pool: mx.array, layout: AttentionLayout, scale: float
 ) -> mx.array:
-    """queries: padded [B, n_heads, Qmax, D] of the new tokens, whose K/V are already in the pools.
-    Returns flat [T, n_heads, D]."""
-    keys = k_pool[layout.context_slots].transpose(0, 2, 1, 3)  # [B, Hkv, Lmax, D]
-    values = v_pool[layout.context_slots].transpose(0, 2, 1, 3)
-    out = mx.fast.scaled_dot_product_attention(
-        queries, keys.astype(queries.dtype), values.astype(queries.dtype), scale=scale, mask=layout.mask
-    )
-    return to_flat(out, layout)
+    """queries: flat [T, n_heads, D] of the new tokens, whose K/V are already in the pools.
+    Returns flat [T, n_heads * D]."""
+    outs, t = [], 0
+    for seq in layout.seqs:
+        q = queries[t : t + seq.num_new]
+        t += seq.num_new
+        keys, values, runs = _context(k_pool, v_pool, seq, layout.page_size)
+        for r0 in range(0, seq.num_new, BLOCK):
+            r1 = min(seq.num_new, r0 + BLOCK)
+            visible = seq.start + r1  # keys of positions 0 .. visible - 1
+            k, v = _views(keys, runs, visible), _views(values, runs, visible)
+            outs.append(_attend_parallel(q[r0:r1], k, v, scale))
+    return mx.concatenate(outs) if len(outs) > 1 else outs[0]
+
+
+def _context(k_pool: mx.array, v_pool: mx.array, seq: SequenceContext, page_size: int):
+    """The arrays a sequence's context lives in, [1, Hkv, N, D], and its runs in them."""
+    if seq.pages is None:
+        return k_pool[None], v_pool[None], seq.runs
+    runs = [(0, seq.start + seq.num_new)]
+    return _gather_pages(k_pool, seq.pages, page_size), _gather_pages(v_pool, seq.pages, page_size), runs
+
+
+def _gather_pages(pool: mx.array, pages: mx.array, page_size: int) -> mx.array:
+    """A copy of the given pages, in order: [1, Hkv, len(pages) * page_size, D]."""
+    heads, num_slots, head_dim = pool.shape
+    by_page = pool.reshape(heads, num_slots // page_size, page_size * head_dim)
+    return by_page[:, pages].reshape(1, heads, -1, head_dim)
+
+
+def _views(array: mx.array, runs: list[tuple[int, int]], limit: int) -> list[mx.array]:
+    """Slices of array [1, Hkv, N, D] holding the context's first `limit` positions."""
+    out = []
+    for first, n in runs:
+        n = min(n, limit)
+        out.append(array[:, :, first : first + n])
+        limit -= n
+        if limit == 0:
+            break
+    return out
+
+
+def cpu_streams() -> list:
+    """One stream per core on the CPU backend (MLX runs each CPU stream's ops on its own thread); just
+    the default stream on a GPU, which parallelises within each op. MLX streams belong to a thread: the
+    extra ones are thread-local streams, so whichever thread steps the engine gets its own."""
+    global _extra_streams
+    if _extra_streams is None:
+        cores = min(os.cpu_count() or 1, 8) if mx.default_device() == mx.cpu else 1
+        _extra_streams = [mx.new_thread_local_stream(mx.cpu) for _ in range(cores - 1)]
+    return [mx.default_stream(mx.default_device())] + _extra_streams
+
+
+_extra_streams: list | None = None
+
+
+def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:
+    """_attend, split by KV heads over the CPU's cores when there are many scores. On the CPU backend
+    element-wise work (the softmax's exp above all, ~11 ns an element) runs on one thread per stream;
+    the heads are independent, so their groups run side by side and the results are the same."""
+    L, H, D = q.shape
+    heads_kv = keys[0].shape[1]
+    streams = cpu_streams()[:heads_kv]
+    if len(streams) < 2 or L * H * sum(k.shape[2] for k in keys) < PARALLEL_MIN_SCORES:
+        return _attend(q, keys, values, scale)
+    rep, outs = H // heads_kv, []
+    for g, stream in enumerate(streams):
+        h0, h1 = g * heads_kv // len(streams), (g + 1) * heads_kv // len(streams)
+        with mx.stream(stream):
+            k, v = [x[:, h0:h1] for x in keys], [x[:, h0:h1] for x in values]
+            outs.append(_attend(q[:, h0 * rep : h1 * rep], k, v, scale).reshape(L, -1, D))
+    return mx.concatenate(outs, axis=1).reshape(L, H * D)
+
+
+def _attend(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:
+    """q: [L, H, D], the last L positions of the context; keys/values: the context in order, as pieces
+    [1, Hkv, S_i, D]. Causal attention; returns [L, H * D]."""
+    L, H, D = q.shape
+    heads_kv = keys[0].shape[1]
+    if L == 1:  # one query sees every key: stack the query heads sharing a KV head as rows
+        q, causal = q.reshape(1, heads_kv, H // heads_kv, D), False
+    else:
+        q, causal = q.transpose(1, 0, 2)[None], True
+    if len(keys) == 1:
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys[0], values[0], scale=scale, mask="causal" if causal else None
+        )
+    else:
+        out = _attend_runs(q, keys, values, scale, causal)
+    if L == 1:
+        return out.reshape(1, H * D)
+    return out[0].transpose(1, 0, 2).reshape(L, H * D)
+
+
+def _attend_runs(q, keys, values, scale, causal) -> mx.array:
+    """Attention over a context split into pieces, without joining them: like MLX's unfused
+    scaled_dot_product_attention (scale, scores, mask, precise softmax, values) with the scores of all
+    pieces concatenated before the softmax and the values' products summed piece by piece."""
+    B, H, L, D = q.shape
+    heads_kv = keys[0].shape[1]
+    q = (q * mx.array(scale, dtype=q.dtype)).reshape(B, heads_kv, H // heads_kv, L, D)
+    scores = mx.concatenate([q @ k[:, :, None].swapaxes(-1, -2) for k in keys], axis=-1)
+    if causal:
+        S = scores.shape[-1]
+        visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
+        scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out, offset = None, 0
+    for v in values:
+        n = v.shape[2]
+        part = probs[..., offset : offset + n] @ v[:, :, None]
+        out = part if out is None else out + part
+        offset += n
+    return out.reshape(B, H, L, D)

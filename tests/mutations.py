@@ -38,6 +38,7 @@ class Mutation:
 
 
 SCHEDULER = "minivllm/engine/scheduler.py"
+KERNEL = "kernels/paged_attention.py"
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -283,6 +284,39 @@ MUTATIONS = [
         '"bytes": list(self.token_bytes(token_id))',
         '"bytes": list(self.token_text(token_id).encode())',
         ("tests/test_api.py", "-k", "bytes"),
+    ),
+    # -- paged attention and page placement ---------------------------------------------------------------
+    Mutation(
+        "causal-block-sees-a-future-key",
+        "a prefill block's queries see one key past their own position",
+        KERNEL,
+        "visible = seq.start + r1  # keys",
+        "visible = seq.start + r1 + 1  # keys",
+        ("tests/test_paged_attention.py",),
+    ),
+    Mutation(
+        "runs-mask-shifted",
+        "the causal mask of a context in several runs is shifted by one position",
+        KERNEL,
+        "mx.arange(S - L, S)[:, None]",
+        "mx.arange(S - L + 1, S + 1)[:, None]",
+        ("tests/test_paged_attention.py",),
+    ),
+    Mutation(
+        "split-heads-misaligned",
+        "attention split over CPU streams pairs query heads with the wrong KV head",
+        KERNEL,
+        "_attend(q[:, h0 * rep : h1 * rep], k, v, scale)",
+        "_attend(q[:, h0 : h0 + (h1 - h0) * rep], k, v, scale)",
+        ("tests/test_paged_attention.py",),
+    ),
+    Mutation(
+        "placement-ignores-last-page",
+        "a growing request no longer takes the page after its last one",
+        "minivllm/cache/free_pages.py",
+        "page = after + 1 if after is not None else -1",
+        "page = -1",
+        ("tests/test_free_pages.py",),
     ),
 ]
 

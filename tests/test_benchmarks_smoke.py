@@ -6,6 +6,7 @@ Against mlx_lm.server today; the same tests run against minivllm by switching Se
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import httpx
 import pytest
@@ -119,3 +120,38 @@ def test_float32_copy_dequantizes_for_the_peer(tiny_model_dir, tmp_path):
     if models.is_cpu_backend():
         assert servers.served_model_dir(servers.ServerSpec("mlx-lm", q4)) == f32
     assert servers.served_model_dir(servers.ServerSpec("minivllm", q4)) == q4
+
+
+def test_long_context_quick_compares_engines_in_one_process(tiny_model_dir, tmp_path):
+    """The long-context benchmark on the tiny model, with this checkout also imported as the baseline."""
+    from benchmarks import long_context
+
+    repo = Path(__file__).resolve().parents[1]
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--baseline", str(repo)]
+    long_context.main(args + ["--allow-dirty"])  # a clean tree writes long_context-quick.json, else -DIRTY
+    (path,) = tmp_path.glob("long_context-quick*.json")
+    data = json.loads(path.read_text())
+    assert set(data["raw"]) == {"minivllm", "mlx-lm", f"baseline {data['metadata']['git']['commit']}"}
+    metrics = [row["metric"] for row in data["rows"]]
+    assert metrics == [
+        "prefill 512 (tok/s)", "prefill 64 (tok/s)", "prefill 256 (tok/s)", "decode b1 ctx 128 (tok/s)",
+        "decode b8 ctx 128 (tok/s)", "decode b1 ctx 512 (tok/s)", "decode b8 ctx 512 (tok/s)",
+    ]  # fmt: skip
+    assert all(v > 0 for rates in data["raw"].values() for vs in rates.values() for v in vs)
+    assert all(row["minivllm / baseline"].endswith("x") for row in data["rows"])
+
+
+def test_cpu_settings_quick_measures_every_setting(tiny_model_dir, tmp_path):
+    from benchmarks import cpu_settings
+
+    if not cpu_settings.OPENBLAS_PATH:
+        pytest.skip("OpenBLAS is not loaded (not the CPU backend)")
+    before = cpu_settings.blas_threads()
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--chunks", "64,128"]
+    cpu_settings.main(args + ["--allow-dirty"])
+    (path,) = tmp_path.glob("cpu_settings-quick*.json")
+    data = json.loads(path.read_text())
+    settings = [(row["OpenBLAS threads"], row["max_num_batched_tokens"]) for row in data["rows"]]
+    assert settings == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    assert all(v > 0 for vs in data["raw"].values() for v in vs)
+    assert cpu_settings.blas_threads() == before  # restored

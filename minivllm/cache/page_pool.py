@@ -11,10 +11,10 @@ first), and asks it for a victim only when an allocation finds no free page.
 """
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 
 from minivllm.cache.eviction import EvictionPolicy
+from minivllm.cache.free_pages import FreePages
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class PagePool:
         self.refcount = [0] * num_pages
         self.page_hash: list[bytes | None] = [None] * num_pages
         self.page_tokens: list[tuple[int, ...] | None] = [None] * num_pages
-        self.free: deque[int] = deque(range(num_pages))
+        self.free = FreePages(num_pages)
         self.index: dict[bytes, int] = {}  # published hash -> page
         self.parent: dict[bytes, bytes | None] = {}  # published hash -> the published hash of the page before
         self.children: dict[bytes, set[bytes]] = {}  # published hash -> published hashes of the next pages
@@ -92,20 +92,21 @@ class PagePool:
             if self.refcount[page] == 0:
                 h = self.page_hash[page]
                 if h is None:
-                    self.free.append(page)
+                    self.free.add(page)
                 else:
                     self.num_cached += 1
                     self.policy.release(h)
 
     # -- allocation -----------------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """n pages for a request; `after`: its last page, which they follow where they can (see FreePages)."""
         if n > self.num_available():
             raise OutOfPages(f"need {n} pages, {self.num_available()} available")
         while len(self.free) < n:
             victim = self.policy.evict(lambda h: self.refcount[self.index[h]] == 0)
             assert victim is not None, "policy found no unreferenced cached page"
             self._drop(victim)
-        pages = [self.free.popleft() for _ in range(n)]
+        pages = self.free.take(n, after)
         for page in pages:
             self.refcount[page] = 1
         return pages
@@ -155,7 +156,7 @@ class PagePool:
         self.page_tokens[page] = None
         if self.refcount[page] == 0:
             self.num_cached -= 1
-            self.free.append(page)
+            self.free.add(page)
 
     def clear_cache(self) -> None:
         """Forget every published page (their KV is gone); unused ones become free."""
@@ -167,7 +168,6 @@ class PagePool:
     # -- invariants -----------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         free = set(self.free)
-        assert len(free) == len(self.free), "a page is on the free list twice"
         for page in range(self.num_pages):
             states = (
                 (page in free)

@@ -58,7 +58,7 @@ class ModelRunner:
 
     def reset_kv(self) -> None:
         g = self.geometry
-        shape = (self.num_slots, g.num_kv_heads, g.head_dim)
+        shape = (g.num_kv_heads, self.num_slots, g.head_dim)  # head-major: see kernels.paged_attention
         self.kv = None  # let the old pools go before the new ones are allocated
         self.kv = KVPools(
             keys=[mx.zeros(shape, dtype=g.dtype) for _ in range(g.num_layers)],

@@ -108,7 +108,9 @@ class Scheduler:
             if victim is seq:
                 return False
         if need > 0:
-            seq.page_table.extend(self.pool.allocate(need))
+            seq.page_table.extend(
+                self.pool.allocate(need, after=seq.page_table[-1] if seq.page_table else None)
+            )
         return True
 
     def _stop_if_it_never_fits(self, seq: Sequence) -> bool:
@@ -139,7 +141,7 @@ class Scheduler:
         if need > self.pool.num_available() - pinned_now:
             return False
         self.pool.acquire(hits)
-        seq.page_table = hits + self.pool.allocate(need)
+        seq.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
         seq.num_computed_tokens = len(hits) * self.page_size
         seq.publish_cursor = len(hits)
         seq.status = SequenceStatus.RUNNING

@@ -1,0 +1,320 @@
+"""Long contexts: decode tok/s at batch 1 and 8 with 1k, 4k and 16k tokens of context, and prefill tok/s of
+512-, 4k- and 16k-token prompts; minivllm against mlx-lm, and optionally against another minivllm checkout.
+
+    python -m benchmarks.long_context [--model DIR] [--runs 3] [--quick] [--baseline COMMIT_OR_DIR]
+
+All engines live in this process and share one copy of the weights (float32 on the CPU backend, as both
+engines run them there), and every measurement is taken for each engine in turn before the next one, so
+a busy machine slows them alike and the ratios hold. `--baseline` adds the engine of another commit (a
+temporary git worktree is made for it) or checkout: its `minivllm` and `kernels` packages are imported
+under their own names beside this checkout's (it is given the loaded model, so none of its lazy imports
+are needed).
+
+How the contexts are made, identically for every engine: one long prompt (the largest context) is
+prefilled once; that prefill is the largest prefill measurement. A decode context of L tokens is that
+prompt's first L tokens: minivllm restores them from its prefix cache (the last <= 16 tokens are
+recomputed) and its 8 concurrent requests share those pages; mlx-lm gets a copy of its KV cache trimmed
+to L - 1 tokens (8 copies for batch 8) and runs the last token through the model. Decode rates start
+once every request has its first token. The other prefill sizes use fresh prompts (no prefix hit).
+mlx-lm's batch-1 decode is its own `generate_step`; its batch 8 is its model and KVCache stepped by
+the same pipelined loop (`mx.async_eval` of step n+1 before step n's tokens are read).
+
+Repetitions: every measurement `--runs` times except the largest prefill (once per engine: it takes
+minutes on a CPU).
+"""
+
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
+import argparse
+import contextlib
+import copy
+import gc
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from benchmarks.harness.prompts import filler_text, load_tokenizer
+from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
+from benchmarks.harness.runner import base_parser, parse_args, result_name
+from minivllm.models.backend import detect_backend
+from minivllm.models.loader import load_model
+
+SIZES = {  # (contexts, prefill prompts, decode tokens, batch sizes)
+    "full": ([1024, 4096, 16384], [512, 4096], 32, [1, 8]),
+    "quick": ([128, 512], [64, 256], 8, [1, 8]),
+}
+PACKAGES = ("minivllm", "kernels")  # what a checkout's engine is made of
+
+
+# -- minivllm, this checkout's or another's -------------------------------------------------------------
+class Minivllm:
+    def __init__(self, packages: dict, loaded: tuple, model_dir: str, plan: dict):
+        """packages: the checkout's modules by name; loaded: (model, tokenizer, config) to run."""
+        self.SamplingParams = packages["minivllm"].SamplingParams
+        engine_module = packages["minivllm.engine.llm_engine"]
+        with mock.patch.object(engine_module, "load_model", lambda *args, **kw: loaded):
+            # lru: the default s3fifo does not cache a prompt longer than its small queue on first sight
+            self.llm = packages["minivllm"].LLM(
+                model_dir,
+                max_num_seqs=max(plan["batch"]),
+                kv_cache_bytes=plan["kv_cache_mib"] << 20,
+                eviction="lru",
+                single_flight="off",
+            )
+        self.n = plan["n"]
+
+    def prefill(self, prompt: list[int]) -> float:
+        t = time.perf_counter()
+        self.llm.generate([prompt], self.SamplingParams(max_tokens=1, ignore_eos=True))
+        return len(prompt) / (time.perf_counter() - t)
+
+    def decode(self, prompt: list[int], batch: int) -> float:
+        """Aggregate decode tok/s of `batch` requests of one prompt, once each has its first token."""
+        engine = self.llm.engine
+        params = self.SamplingParams(max_tokens=self.n + 1, ignore_eos=True)
+        seqs = [engine.add_request(f"d{time.monotonic_ns()}-{i}", prompt, params) for i in range(batch)]
+        while any(not s.output_token_ids for s in seqs):
+            engine.step()
+        start, done = time.perf_counter(), sum(len(s.output_token_ids) for s in seqs)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return (sum(len(s.output_token_ids) for s in seqs) - done) / (time.perf_counter() - start)
+
+
+def this_checkout() -> dict:
+    importlib.import_module("minivllm.engine.llm_engine")
+    return _modules()
+
+
+def _modules() -> dict:
+    return {name: m for name, m in sys.modules.items() if name.split(".")[0] in PACKAGES}
+
+
+def import_checkout(root: Path) -> dict:
+    """Another checkout's minivllm and kernels modules, imported beside this checkout's."""
+    ours = this_checkout()
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(root))
+    try:
+        importlib.import_module("minivllm.engine.llm_engine")
+        theirs = _modules()
+        origin = Path(theirs["minivllm"].__file__).resolve()
+        assert origin.is_relative_to(root.resolve()), f"imported {origin}, not from {root}"
+    finally:
+        sys.path.remove(str(root))
+        for name in _modules():
+            del sys.modules[name]
+        sys.modules.update(ours)
+    return theirs
+
+
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[tuple[Path, str]]:
+    """A directory holding ref (a checkout directory, or a commit put in a temporary worktree)."""
+    root, worktree = Path(ref), None
+    if not root.is_dir():
+        worktree = Path(tempfile.mkdtemp(prefix="minivllm-baseline-"))
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(worktree), ref], check=True, capture_output=True
+        )
+        root = worktree
+    commit = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    try:
+        yield root, commit.stdout.strip() or str(root)
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], capture_output=True)
+
+
+# -- mlx-lm -------------------------------------------------------------------------------------------
+class MlxLm:
+    def __init__(self, model, n: int):
+        self.model = model
+        self.n = n
+        self.context: list | None = None  # KV cache of the longest prompt prefilled so far
+
+    def prefill(self, prompt: list[int]) -> float:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        t = time.perf_counter()
+        next(generate_step(mx.array(prompt), self.model, max_tokens=1, prompt_cache=cache))
+        rate = len(prompt) / (time.perf_counter() - t)
+        if self.context is None or cache[0].offset > self.context[0].offset:
+            self.context = cache
+        return rate
+
+    def _cache(self, length: int, batch: int) -> list:
+        """Copies of the context cache holding its first `length` tokens, `batch` rows."""
+        caches = []
+        for layer in self.context:
+            c = copy.copy(layer)
+            keys, values = layer.keys[..., :length, :], layer.values[..., :length, :]
+            c.keys = mx.repeat(keys, batch, axis=0) if batch > 1 else mx.array(keys)
+            c.values = mx.repeat(values, batch, axis=0) if batch > 1 else mx.array(values)
+            c.offset = length
+            caches.append(c)
+        mx.eval([(c.keys, c.values) for c in caches])
+        return caches
+
+    def decode(self, prompt: list[int], batch: int) -> float:
+        from mlx_lm.generate import generate_step
+
+        cache = self._cache(len(prompt) - 1, batch)
+        if batch == 1:
+            steps = generate_step(
+                mx.array(prompt[-1:]), self.model, max_tokens=self.n + 1, prompt_cache=cache
+            )
+            next(steps)
+            t = time.perf_counter()
+            count = sum(1 for _ in steps)
+            return count / (time.perf_counter() - t)
+        return self._batch_decode(mx.array([prompt[-1:]] * batch), cache)
+
+    def _batch_decode(self, tokens: mx.array, cache: list) -> float:
+        def step(y: mx.array) -> mx.array:
+            return mx.argmax(self.model(y, cache=cache)[:, -1], axis=-1)[:, None]
+
+        y = step(tokens)
+        y.tolist()  # every row has its first token
+        t = time.perf_counter()
+        for _ in range(self.n):
+            next_y = step(y)
+            mx.async_eval(next_y)
+            y.tolist()
+            y = next_y
+        y.tolist()
+        return tokens.shape[0] * self.n / (time.perf_counter() - t)
+
+
+# -- the plan, the same for every engine ----------------------------------------------------------------
+def measure(plan: dict, engines: dict) -> dict[str, dict[str, list[float]]]:
+    """engines: name -> object with prefill(prompt) and decode(prompt, batch), both tok/s.
+    Each measurement is taken for every engine in turn (in reversed order every other run)."""
+    context = plan["context"]
+    steps = [("prefill", context, None, -1)]
+    for run in range(plan["runs"]):
+        steps += [("prefill", p[run], None, run) for p in plan["prefill"]]
+        steps += [("decode", context[:n], b, run) for n in plan["contexts"] for b in plan["batch"]]
+    rates: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    for kind, prompt, batch, run in tqdm(steps, desc="measurements", file=sys.stderr):
+        key = f"prefill {len(prompt)}" if kind == "prefill" else f"decode b{batch} ctx {len(prompt)}"
+        for name in list(engines)[:: -1 if run % 2 else 1]:
+            engine = engines[name]
+            rate = engine.prefill(prompt) if kind == "prefill" else engine.decode(prompt, batch)
+            rates[name].setdefault(key, []).append(rate)
+            gc.collect()
+    return rates
+
+
+def make_plan(args: argparse.Namespace, tokenizer) -> dict:
+    contexts, prefill, n, batch = SIZES["quick" if args.quick else "full"]
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else contexts
+    prefill = [int(x) for x in args.prefill.split(",")] if args.prefill else prefill
+    n = args.decode_tokens or n
+
+    def prompt(length: int, seed: int) -> list[int]:
+        ids = tokenizer.encode(filler_text(seed, length * 8))
+        assert len(ids) >= length, "filler text too short for the prompt length"
+        return ids[:length]
+
+    plan = {
+        "contexts": contexts,
+        "batch": batch,
+        "n": n,
+        "runs": args.runs,
+        "context": prompt(max(contexts), seed=1000),
+        # fresh prompts per run: distinct from their first word, so no prefix hit
+        "prefill": [
+            [prompt(p, seed=100 * i + run) for run in range(args.runs)] for i, p in enumerate(prefill)
+        ],
+    }
+    # room for the context, every fresh prompt and the decode pages, so LRU never evicts the context
+    tokens = max(contexts) + args.runs * sum(prefill) + max(batch) * (n + 32)
+    plan["kv_cache_mib"] = max(64, int(tokens * kv_bytes_per_token(args.model) * 1.2) >> 20)
+    return plan
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def rows_of(rates: dict[str, dict[str, list[float]]], baseline: str | None) -> list[dict]:
+    rows = []
+    ours = rates["minivllm"]
+    for key in ours:
+        cells = {name: mean_sd(rates[name][key]) for name in rates}
+        m = cells["minivllm"][0]
+        row = {"metric": f"{key} (tok/s)"}
+        row |= {name: f"{mean:.2f} ± {sd:.2f}" for name, (mean, sd) in cells.items()}
+        if "mlx-lm" in cells:
+            row["minivllm / mlx-lm"] = f"{m / cells['mlx-lm'][0]:.2f}x"
+        if baseline:
+            row["minivllm / baseline"] = f"{m / cells[baseline][0]:.2f}x"
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--baseline", help="a commit or a checkout directory whose engine runs too")
+    p.add_argument("--contexts", help="decode context lengths, comma-separated (default 1024,4096,16384)")
+    p.add_argument("--prefill", help="fresh prompt lengths for prefill, comma-separated (default 512,4096)")
+    p.add_argument("--decode-tokens", type=int, help="decode tokens per measurement (default 32)")
+    p.add_argument("--skip-mlx-lm", action="store_true", help="only minivllm (and the baseline)")
+    args = parse_args(p, argv)
+    plan = make_plan(args, load_tokenizer(args.model))
+    loaded = load_model(str(args.model))  # one copy of the weights for every engine
+    with contextlib.ExitStack() as stack:
+        engines = {"minivllm": Minivllm(this_checkout(), loaded, str(args.model), plan)}
+        baseline = None
+        if args.baseline:
+            root, commit = stack.enter_context(checkout(args.baseline))
+            baseline = f"baseline {commit}"
+            engines[baseline] = Minivllm(import_checkout(root), loaded, str(args.model), plan)
+        if not args.skip_mlx_lm:
+            engines["mlx-lm"] = MlxLm(loaded[0], plan["n"])
+        for engine in engines.values():  # warm-up
+            engine.prefill(plan["prefill"][0][0][:32])
+        rates = measure(plan, engines)
+    meta = metadata(
+        args.model,
+        page_size=16,
+        backend=detect_backend().name,
+        blas=detect_backend().blas,
+        runs=args.runs,
+        decode_tokens=plan["n"],
+        kv_cache_mib=plan["kv_cache_mib"],
+        baseline=baseline,
+        openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS", "unset"),
+    )
+    notes = (
+        f"The {len(plan['context'])}-token prefill ran once per engine (it builds the decode contexts); "
+        "the rest is the mean ± sd of the runs. minivllm's concurrent requests share the context's pages "
+        "(prefix cache); mlx-lm's batch holds one copy of the context per row."
+    )
+    paths = write_results(result_name("long_context", args), rows_of(rates, baseline), meta, raw=rates,
+                          notes=notes, out_dir=args.out, allow_dirty=args.allow_dirty)  # fmt: skip
+    print_report(paths)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Paged attention against a dense float64 reference, for every way a context can lie in the pool:
+one run of pages (views), a few runs (scores joined before the softmax), many runs (pages gathered),
+decode tokens and prefill chunks longer than one causal block, in one flat batch."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import paged_attention as pa
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 8, 4
+NUM_PAGES = 400
+
+
+def reference(queries, k_pool, v_pool, tables, starts, num_new, scale):
+    """Plain causal attention per sequence over its context gathered slot by slot, in float64."""
+    q = np.asarray(queries, dtype=np.float64)
+    k_pool, v_pool = np.asarray(k_pool, np.float64), np.asarray(v_pool, np.float64)
+    rep, out, t = HEADS // KV_HEADS, [], 0
+    for table, start, n in zip(tables, starts, num_new):
+        length = start + n
+        pos = np.arange(length)
+        slots = np.asarray(table)[pos // PAGE] * PAGE + pos % PAGE
+        k = np.repeat(k_pool[:, slots], rep, axis=0)  # [H, S, D]
+        v = np.repeat(v_pool[:, slots], rep, axis=0)
+        qs = q[t : t + n].transpose(1, 0, 2) * scale  # [H, n, D]
+        scores = qs @ k.transpose(0, 2, 1)
+        scores[:, pos[None, :] > (start + np.arange(n))[:, None]] = -np.inf
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out.append((probs @ v).transpose(1, 0, 2).reshape(n, -1))
+        t += n
+    return np.concatenate(out)
+
+
+def run(tables, starts, num_new, seed=0):
+    rng = np.random.default_rng(seed)
+    k_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
+    v_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
+    queries = mx.array(rng.standard_normal((sum(num_new), HEADS, HEAD_DIM)).astype(np.float32))
+    layout = pa.build_layout(tables, starts, num_new, PAGE)
+    out = pa.paged_attention(queries, k_pool, v_pool, layout, HEAD_DIM**-0.5)
+    expected = reference(queries, k_pool, v_pool, tables, starts, num_new, HEAD_DIM**-0.5)
+    return np.asarray(out), expected, layout
+
+
+def contiguous(first, n):
+    return list(range(first, first + n))
+
+
+def test_page_runs():
+    assert pa.page_runs([3, 4, 5, 9, 10, 2], PAGE, 21) == [(12, 12), (36, 8), (8, 1)]
+    assert pa.page_runs([7, 8, 9], PAGE, 8) == [(28, 8)]  # pages past the context are not read
+    assert pa.page_runs([5], PAGE, 1) == [(20, 1)]
+
+
+@pytest.mark.parametrize(
+    "tables, starts, num_new",
+    [
+        ([contiguous(10, 80)], [0], [300]),  # a prefill chunk of three causal blocks, one run
+        ([contiguous(10, 80)], [250], [60]),  # a later chunk: keys before it and within it
+        ([contiguous(10, 80)], [317], [1]),  # decode, one run: stacked query heads
+        (  # decode and prefill together, each context in a few runs
+            [[5, 6, 7, 30, 31, 2] + contiguous(100, 30), [50, 51, 52, 8, 9, 200], contiguous(300, 3)],
+            [100, 17, 0],
+            [1, 5, 9],
+        ),
+        ([contiguous(1, 40)[::-1]], [120], [35]),  # every page its own run: gathered
+        ([list(range(0, 160, 2))], [317], [1]),  # decode over 80 one-page runs: gathered
+    ],
+)
+@pytest.mark.parametrize("split", ["never", "always"])
+def test_matches_dense_attention(tables, starts, num_new, split, monkeypatch):
+    # split: attention divided by KV heads over the CPU streams (one per core) or kept whole
+    monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
+    out, expected, layout = run(tables, starts, num_new)
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_layout_positions_slots_and_the_gather_threshold():
+    tables = [contiguous(10, 5), list(range(0, 2 * (pa.MAX_RUNS + 1), 2))]
+    layout = pa.build_layout(tables, [6, 0], [2, 3], PAGE)
+    assert layout.positions.tolist() == [6, 7, 0, 1, 2]
+    assert layout.slot_mapping.tolist() == [10 * PAGE + 6, 11 * PAGE + 3, 0, 1, 2]
+    assert layout.seqs[0].runs == [(40, 8)] and layout.seqs[0].pages is None
+    assert layout.seqs[1].runs == [(0, 3)]  # only pages that hold the context count
+    many = pa.build_layout([tables[1]], [4 * pa.MAX_RUNS], [4], PAGE)
+    assert len(many.seqs[0].runs) == pa.MAX_RUNS + 1 and many.seqs[0].pages is not None
+
+
+def test_kv_write_lands_in_the_slots():
+    pool = mx.zeros((KV_HEADS, 16, HEAD_DIM))
+    values = mx.arange(3 * KV_HEADS * HEAD_DIM, dtype=mx.float32).reshape(3, KV_HEADS, HEAD_DIM)
+    pa.write_kv(pool, mx.array([5, 0, 9]), values)
+    got = np.asarray(pool)
+    for row, slot in enumerate([5, 0, 9]):
+        np.testing.assert_array_equal(got[:, slot], np.asarray(values)[row])
+    assert np.count_nonzero(got.sum(axis=(0, 2))) == 3
+
+
+def test_split_attention_runs_from_any_thread(monkeypatch):
+    """MLX streams belong to a thread; the engine steps on its own thread (AsyncEngine)."""
+    import threading
+
+    monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0)
+    tables, starts, num_new = [contiguous(10, 80)], [250], [60]
+    results = []
+    for _ in range(2):
+        thread = threading.Thread(target=lambda: results.append(run(tables, starts, num_new)[:2]))
+        thread.start()
+        thread.join()
+    assert len(results) == 2
+    for out, expected in results:
+        np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
