@@ -16,6 +16,7 @@ RULES: dict[str, set[str]] = {
     "kernels": set(),
     "minivllm.config": set(),
     "minivllm.cache": set(),
+    "minivllm.cluster": set(),
     "minivllm.models": {"kernels"},
     "minivllm.engine": {"minivllm.cache", "minivllm.models", "minivllm.config", "kernels"},
     "minivllm": {"minivllm", "kernels"},  # the entry points: llm, cli, replay, the package itself
