@@ -53,6 +53,15 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def replica_stats(self) -> dict[str | None, dict]:
+        """The engine's latest stats; one process is one unnamed replica (the server's common view of
+        a single engine and of several behind a router)."""
+        return {None: self.stats_snapshot}
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the stepping thread and end every open stream. Call it on the event loop's thread."""
         self._stopping.set()
