@@ -39,7 +39,7 @@ def _settings(model_dir) -> Settings:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     """Both applications on one local Ray (2 CPUs, a quarter CPU per replica); yields app -> base URL."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 << 20)
     try:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -7,6 +7,7 @@ router of this process (`server.cluster.router`), which Ray Serve keeps up to da
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
@@ -15,12 +16,14 @@ from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.loader import load_tokenizer
 from server.cluster import router_registry
-from server.cluster.router import PageHashRouter
 from server.settings import Settings
+
+if TYPE_CHECKING:  # the live router is Ray Serve's by-value copy of this class, so never isinstance it
+    from server.cluster.router import PageHashRouter
 
 
 class RemoteEngine:
-    def __init__(self, handle: DeploymentHandle, tokenizer, max_model_len: int, router: PageHashRouter):
+    def __init__(self, handle: DeploymentHandle, tokenizer, max_model_len: int, router: "PageHashRouter"):
         self._stream = handle.options(stream=True)
         self.tokenizer = tokenizer
         self._max_model_len = max_model_len
