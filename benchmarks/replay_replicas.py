@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.harness.results import DirtyTree, require_clean_tree
 from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine
 from minivllm.cluster.routing import ROUTINGS, RoutingConfig
 from minivllm.replay import load_trace, replay_replicas
@@ -75,7 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces-dir", type=Path, default=REPO.parent / "shared" / "traces")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--policies", default="lru,s3fifo", help="comma list of eviction policies")
+    p.add_argument("--allow-dirty", action="store_true", help="run from uncommitted code; writes *-DIRTY.*")
     args = p.parse_args(argv)
+    try:
+        require_clean_tree()
+        name = "replay_replicas"
+    except DirtyTree as e:
+        if not args.allow_dirty:
+            p.error(str(e))
+        name = "replay_replicas-DIRTY"
     policies = [x for x in args.policies.split(",") if x]
     paths = {name: args.traces_dir / f"{name}.jsonl" for name in TRACES}
     missing = [str(path) for path in paths.values() if not path.is_file()]
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "traces": results,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "replay_replicas.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     md = [
         "# Prefix-cache replay over replicas",
         "",
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         md += [f"## {name}", "", f"{res['requests']} requests. Acceptance at 4 replicas (affinity >= 0.9x one cache,",
                f">= 1.5x round-robin, imbalance <= 1.3): {res['acceptance (4 replicas)']}.", "",
                markdown(res["rows"]), ""]  # fmt: skip
-    (args.out_dir / "replay_replicas.md").write_text("\n".join(md))
+    (args.out_dir / f"{name}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0
 

@@ -133,7 +133,9 @@ async def run(args) -> None:
     workload = {k: getattr(args, k) for k in ("sessions", "turns", "doc_tokens", "max_tokens")}
     meta = results.metadata(args.model, args.page_size, runs=args.runs, env=args.env, workload=workload)
     results.print_report(
-        results.write_results(name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES)
+        results.write_results(
+            name, rows, meta, out_dir=args.out, raw=by_config, notes=NOTES, allow_dirty=args.allow_dirty
+        )
     )
 
 
