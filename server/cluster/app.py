@@ -4,6 +4,7 @@
 cluster, `serve deploy server/cluster/serve_config.yaml` imports `app_builder` from here.
 """
 
+import dataclasses
 import logging
 import os
 import signal
@@ -48,14 +49,7 @@ def build_app(
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     router = RequestRouterConfig(
         request_router_class=ROUTER_CLASS,
-        request_router_kwargs={
-            "page_size": settings.page_size,
-            "policy": routing.policy,
-            "window": routing.window,
-            "imbalance": routing.imbalance,
-            "slack": routing.slack,
-            "index_pages": routing.index_pages,
-        },
+        request_router_kwargs={"page_size": settings.page_size, **dataclasses.asdict(routing)},
         request_routing_stats_period_s=STATS_PERIOD_S,
         request_routing_stats_timeout_s=10 * STATS_PERIOD_S,
     )
