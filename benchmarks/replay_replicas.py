@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         require_clean_tree()
-        name = "replay_replicas"
+        out_name = "replay_replicas"
     except DirtyTree as e:
         if not args.allow_dirty:
             p.error(str(e))
-        name = "replay_replicas-DIRTY"
+        out_name = "replay_replicas-DIRTY"
     policies = [x for x in args.policies.split(",") if x]
     paths = {name: args.traces_dir / f"{name}.jsonl" for name in TRACES}
     missing = [str(path) for path in paths.values() if not path.is_file()]
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "traces": results,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out_dir / f"{out_name}.json").write_text(json.dumps(record, indent=2) + "\n")
     md = [
         "# Prefix-cache replay over replicas",
         "",
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         md += [f"## {name}", "", f"{res['requests']} requests. Acceptance at 4 replicas (affinity >= 0.9x one cache,",
                f">= 1.5x round-robin, imbalance <= 1.3): {res['acceptance (4 replicas)']}.", "",
                markdown(res["rows"]), ""]  # fmt: skip
-    (args.out_dir / f"{name}.md").write_text("\n".join(md))
+    (args.out_dir / f"{out_name}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0
 

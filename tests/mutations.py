@@ -206,6 +206,14 @@ MUTATIONS = [
         ("tests/test_routing.py",),
     ),
     Mutation(
+        "one-choice-for-cold-prefixes",
+        "a prefix never seen goes to its rendezvous owner however loaded (one choice, not two)",
+        ROUTING,
+        "rendezvous_order(page_keys[0], self._bits)[:2]",
+        "rendezvous_order(page_keys[0], self._bits)[:1]",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
         "dead-replica-still-holds",
         "a removed replica still counts as holding its prefixes",
         ROUTING,

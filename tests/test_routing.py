@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from minivllm.cluster.routing import NoReplicaError, Router, RoutingConfig, rendezvous_owner
+from minivllm.cluster.routing import NoReplicaError, Router, RoutingConfig, rendezvous_order
 from minivllm.replay import TraceRequest, main, replay, replay_replicas, route_trace
 
 REPLICAS = ["a", "b", "c", "d"]
@@ -61,17 +61,21 @@ def test_identical_prompts_meet_on_one_replica():
     assert len({r.choose([5, 6, 7])[0] for _ in range(8)}) == 1  # a burst: one replica, one single flight
 
 
-def test_a_new_prefix_goes_to_its_rendezvous_owner_in_every_router_process():
+def test_a_new_prefix_goes_to_the_less_loaded_of_its_two_rendezvous_candidates():
     keys = [b"\x01" * 16, b"\x02" * 16]
-    owners = {router().choose(keys)[0] for _ in range(3)}
-    assert owners == {rendezvous_owner(keys[0], REPLICAS)}
-    # removing a replica moves only the keys it owned
+    owner, second = rendezvous_order(keys[0], REPLICAS)[:2]
+    assert {router().choose(keys)[0] for _ in range(3)} == {owner}  # equal loads: the owner, in any process
+    busy = router()
+    busy.remember([99], owner)
+    assert [busy.choose([99])[0] for _ in range(3)] == [owner] * 3  # three requests for a prefix it holds
+    assert busy.choose(keys)[0] == second  # the owner is busier: the second candidate
+    # removing a replica leaves the others' order alone, so a key's owner moves only if it was the one
     moved = 0
     for k in range(200):
-        before = rendezvous_owner(k, REPLICAS)
-        after = rendezvous_owner(k, ["a", "b", "d"])
-        moved += before != after
-        assert before == after or before == "c"
+        before = rendezvous_order(k, REPLICAS)
+        after = rendezvous_order(k, ["a", "b", "d"])
+        assert after == [x for x in before if x != "c"]
+        moved += before[0] != after[0]
     assert 30 < moved < 80  # about a quarter
 
 

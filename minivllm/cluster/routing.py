@@ -10,8 +10,9 @@ The affinity rule, for a request with page keys k_0 .. k_{n-1}:
 
 1. the deepest page some live replica was sent: the least-loaded of those replicas (the longest cached
    prefix; a shared system prompt held everywhere then spreads by load);
-2. no page seen: the rendezvous-hash owner of k_0 (every router process agrees without sharing state,
-   and when a replica goes only the keys it owned move);
+2. no page seen: the less loaded of k_0's two rendezvous-hash candidates, the owner when loads tie (two
+   choices balance cold prefixes far better than one, and the candidates are the same in every router
+   process and move only when one of them goes);
 3. no full page at all: the least-loaded replica;
 
 then, if that replica's load exceeds `mean load * imbalance + slack`, the least-loaded replica instead.
@@ -58,11 +59,15 @@ class NoReplicaError(LookupError):
     """There is no live replica to route to."""
 
 
-def rendezvous_owner(key: Hashable, replicas: Iterable[str]) -> str:
-    """The replica with the highest hash of (key, replica): stable across processes and runs (no use of
-    Python's salted hash), and removing a replica moves only the keys it owned."""
+def rendezvous_order(key: Hashable, replicas: Iterable[str]) -> list[str]:
+    """Replicas by descending hash of (key, replica), the owner first: stable across processes and runs (no
+    use of Python's salted hash), and removing a replica leaves the others' order unchanged."""
     text = repr(key).encode()
-    return max(replicas, key=lambda r: hashlib.blake2b(text + b"\0" + r.encode(), digest_size=8).digest())
+    return sorted(
+        replicas,
+        key=lambda r: hashlib.blake2b(text + b"\0" + r.encode(), digest_size=8).digest(),
+        reverse=True,
+    )
 
 
 class Router:
@@ -144,7 +149,7 @@ class Router:
         if mask:
             first = next(r for r in by_load if self._bits[r] & mask)
         elif page_keys:
-            first = rendezvous_owner(page_keys[0], self._bits)
+            first = min(rendezvous_order(page_keys[0], self._bits)[:2], key=lambda r: self._load[r])
         else:
             first = by_load[0]
         return by_load[0] if self._overloaded(first) else first
