@@ -214,6 +214,14 @@ MUTATIONS = [
         ("tests/test_routing.py",),
     ),
     Mutation(
+        "in-flight-never-ends",
+        "a finished request still counts as load on its replica",
+        ROUTING,
+        "        if self._load.get(replica, 0) > 0:\n            self._load[replica] -= 1",
+        "        pass",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
         "dead-replica-still-holds",
         "a removed replica still counts as holding its prefixes",
         ROUTING,

@@ -104,6 +104,32 @@ def test_the_load_window_forgets_old_requests():
     assert sum(r.loads().values()) == 10 and sum(r.routed.values()) == 50
 
 
+def test_in_flight_load_counts_what_has_not_finished():
+    r = Router(RoutingConfig(), REPLICAS, load="in-flight")
+    first = r.choose([1])[0]
+    assert r.loads()[first] == 1
+    r.finish(first)
+    r.finish(first)  # never below zero
+    assert r.loads()[first] == 0 and r.routed[first] == 1
+    with pytest.raises(ValueError, match="window"):
+        router().finish("a")
+    with pytest.raises(ValueError, match="load"):
+        Router(load="sometimes")
+
+
+def test_new_conversations_spread_by_what_is_in_flight_not_by_history():
+    live, replay_like = Router(RoutingConfig(), ["a", "b"], load="in-flight"), router(replicas=["a", "b"])
+    for r in (live, replay_like):
+        r.remember([5], "a")
+        for _ in range(20):  # a busy past on a: all finished by now
+            first = r.choose([5])[0]
+            if r is live:
+                r.finish(first)
+    burst = [1000 + i for i in range(6)]  # six new conversations at once
+    assert sorted(live.choose([k])[0] for k in burst) == ["a"] * 3 + ["b"] * 3
+    assert [replay_like.choose([k])[0] for k in burst] == ["b"] * 6  # history would send all of them to b
+
+
 def test_a_removed_replica_is_never_chosen_and_its_prefixes_move():
     r = router()
     home = r.choose([1, 2, 3])[0]

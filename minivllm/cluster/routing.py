@@ -18,9 +18,10 @@ The affinity rule, for a request with page keys k_0 .. k_{n-1}:
 then, if that replica's load exceeds `mean load * imbalance + slack`, the least-loaded replica instead.
 Identical concurrent prompts get the same answer, so they meet on one replica and its single flight.
 
-Load is the number of requests routed to each replica among the last `window` routed. A trace has no
-durations, so this is what the replay can measure; the live router uses the same count (and Ray Serve's
-`max_ongoing_requests` still bounds the real queue of each replica).
+Load is what a replica has to do now. The live router knows it: the requests it has in flight on each
+replica (`load="in-flight"`, it calls `finish` as each ends). A trace has no durations, so the replay counts
+the requests routed to each replica among the last `window` routed (`load="window"`). Counting history
+live would be wrong: a replica that was busy a minute ago would get no new conversations now.
 
 `round-robin` and `least-loaded` ignore the keys: the baselines the replay compares against.
 """
@@ -33,12 +34,13 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 ROUTINGS = ("affinity", "round-robin", "least-loaded")
+LOADS = ("window", "in-flight")
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     policy: str = "affinity"
-    window: int = 256  # load = requests routed to each replica among the last `window`
+    window: int = 256  # with load="window": requests routed to each replica among the last `window`
     imbalance: float = 1.2  # affinity yields once a replica's load passes mean * imbalance + slack
     slack: int = 8  # requests a replica may be ahead before affinity yields (small windows, bursts)
     index_pages: int = 1 << 18  # bound of the page -> replicas index (about 30 MB at the bound)
@@ -71,15 +73,20 @@ def rendezvous_order(key: Hashable, replicas: Iterable[str]) -> list[str]:
 
 
 class Router:
-    """The routing state of one router process: live replicas, the page index and the load window."""
+    """The routing state of one router process: live replicas, the page index and the load."""
 
-    def __init__(self, config: RoutingConfig | None = None, replicas: Iterable[str] = ()):
+    def __init__(
+        self, config: RoutingConfig | None = None, replicas: Iterable[str] = (), load: str = "window"
+    ):
+        if load not in LOADS:
+            raise ValueError(f"unknown load {load!r}; expected one of {', '.join(LOADS)}")
         self.config = config or RoutingConfig()
+        self.load = load
         self._bits: dict[str, int] = {}  # live replica -> its bit in the index masks (bits never reused)
         self._next_bit = 0
         self._live_mask = 0
         self._index: OrderedDict[Hashable, int] = OrderedDict()  # page key -> replicas sent it, LRU order
-        self._recent: deque[str] = deque()  # the replicas of the last `window` routed requests
+        self._recent: deque[str] = deque()  # load="window": the replicas of the last `window` routed
         self._load: Counter[str] = Counter()
         self._turn = 0  # round-robin position
         self.routed: Counter[str] = Counter()  # requests routed to each replica, ever
@@ -130,6 +137,15 @@ class Router:
         self._record(page_keys, first)
         return [first] + [r for r in by_load if r != first]
 
+    def finish(self, replica: str) -> None:
+        """A request routed to `replica` has ended (load="in-flight")."""
+        if self.load != "in-flight":
+            raise ValueError(
+                'finish() counts requests in flight; this router counts a window (load="window")'
+            )
+        if self._load.get(replica, 0) > 0:
+            self._load[replica] -= 1
+
     def remember(self, page_keys: Sequence[Hashable], replica: str) -> None:
         """Record that these pages went to `replica` after all (the caller overrode the first choice)."""
         if replica in self._bits:
@@ -162,18 +178,19 @@ class Router:
         return 0
 
     def _overloaded(self, replica: str) -> bool:
-        mean = len(self._recent) / len(self._bits)
+        mean = sum(self._load[r] for r in self._bits) / len(self._bits)
         return self._load[replica] > mean * self.config.imbalance + self.config.slack
 
     def _record(self, page_keys: Sequence[Hashable], replica: str) -> None:
         self._index_pages(page_keys, self._bits[replica])
-        self._recent.append(replica)
         self._load[replica] += 1
         self.routed[replica] += 1
-        if len(self._recent) > self.config.window:
-            old = self._recent.popleft()
-            if old in self._load:
-                self._load[old] -= 1
+        if self.load == "window":
+            self._recent.append(replica)
+            if len(self._recent) > self.config.window:
+                old = self._recent.popleft()
+                if old in self._load:
+                    self._load[old] -= 1
 
     def _index_pages(self, page_keys: Sequence[Hashable], bit: int) -> None:
         index = self._index
