@@ -20,8 +20,14 @@ Each run also reports ``unreachable_blocks``: blocks still cached at the end
 whose prefix is not (a block whose parent, or its parent's parent, ... was
 evicted can never be hit again; a prefix-aware policy leaves none).
 
-CLI: ``python -m minivllm.replay TRACE --policy default --capacity 10000 [--json]``
-or ``--sweep --policies adaptive,s3fifo,lru --capacities 1000,10000 [--plot out.png]``.
+Replicas: ``--replicas N --routing affinity|round-robin|least-loaded`` routes every request to one of N
+replicas with :mod:`minivllm.cluster.routing` (the rule the live router runs), then replays each replica's
+requests against its own cache of ``--capacity`` blocks. The rule never looks at the caches, so routing
+first and replaying each replica afterwards is exact, and works for every policy, belady included.
+
+CLI: ``python -m minivllm.replay TRACE --policy default --capacity 10000 [--json]``,
+``--replicas 4 --routing affinity`` (capacity per replica), or
+``--sweep --policies adaptive,s3fifo,lru --capacities 1000,10000 [--plot out.png]``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from minivllm.cache.eviction import POLICIES, EvictionPolicy, make_policy
+from minivllm.cluster.routing import ROUTINGS, Router, RoutingConfig
 from minivllm.config import DEFAULT_EVICTION
 
 logger = logging.getLogger(__name__)
@@ -66,6 +73,23 @@ class ReplayResult:
     hit_blocks: int  # sum over requests of the prefix hit length k
     total_blocks: int  # sum over requests of len(hash_ids)
     unreachable_blocks: int  # cached at the end, but some block of their prefix is not
+
+
+@dataclass(slots=True)
+class ReplicasReplayResult:
+    """The single-cache keys summed over replicas, and how evenly the requests were spread."""
+
+    policy: str
+    hit_tokens: int
+    total_tokens: int
+    token_hit_rate: float
+    hit_blocks: int
+    total_blocks: int
+    unreachable_blocks: int
+    load_imbalance: float  # max / mean requests per replica (1.0: perfectly even)
+    requests_per_replica: list[int]
+    replicas: int
+    routing: str
 
 
 # --- loading ---
@@ -351,6 +375,54 @@ def count_unreachable(cache: Iterable, parents: dict) -> int:
     return sum(1 for h in resident if not reachable[h])
 
 
+def route_trace(
+    requests: Sequence[TraceRequest], replicas: int, routing: RoutingConfig
+) -> list[list[TraceRequest]]:
+    """Each replica's requests, in trace order, as the router sends them (keys: the trace's block hashes)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    names = [f"replica-{i}" for i in range(replicas)]
+    router = Router(routing, names)
+    shards: dict[str, list[TraceRequest]] = {name: [] for name in names}
+    for req in requests:
+        shards[router.choose(req.hash_ids)[0]].append(req)
+    return list(shards.values())
+
+
+def replay_replicas(
+    requests: Sequence[TraceRequest],
+    policy_name: str,
+    capacity: int,
+    replicas: int,
+    routing: str | RoutingConfig = "affinity",
+    block_size: int = 512,
+    small_ratio: float = 0.1,
+    max_freq: int = 3,
+    history: float = 4.0,
+) -> ReplicasReplayResult:
+    """Route the trace over `replicas` replicas, each with its own cache of `capacity` blocks, and replay."""
+    config = routing if isinstance(routing, RoutingConfig) else RoutingConfig(policy=routing)
+    shards = route_trace(requests, replicas, config)
+    options = dict(block_size=block_size, small_ratio=small_ratio, max_freq=max_freq, history=history)
+    results = [replay(shard, policy_name, capacity, **options) for shard in shards]
+    hit_tokens = sum(r.hit_tokens for r in results)
+    total_tokens = sum(r.total_tokens for r in results)
+    counts = [len(shard) for shard in shards]
+    return ReplicasReplayResult(
+        policy=resolve_policy(policy_name),
+        hit_tokens=hit_tokens,
+        total_tokens=total_tokens,
+        token_hit_rate=hit_tokens / total_tokens if total_tokens else 0.0,
+        hit_blocks=sum(r.hit_blocks for r in results),
+        total_blocks=sum(r.total_blocks for r in results),
+        unreachable_blocks=sum(r.unreachable_blocks for r in results),
+        load_imbalance=max(counts) * replicas / len(requests) if requests else 0.0,
+        requests_per_replica=counts,
+        replicas=replicas,
+        routing=config.policy,
+    )
+
+
 def sweep(
     requests: Sequence[TraceRequest],
     policies: Iterable[str],
@@ -444,7 +516,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=(DEFAULT, *REPLAY_POLICIES),
         help=f"policy for a single replay ({DEFAULT}: the engine's, {DEFAULT_EVICTION})",
     )
-    p.add_argument("--capacity", type=int, help="cache capacity in blocks for a single replay")
+    p.add_argument("--capacity", type=int, help="cache capacity in blocks for a single replay (per replica)")
+    p.add_argument(
+        "--replicas", type=int, help="route the trace over this many replicas, each with its own cache"
+    )
+    p.add_argument(
+        "--routing", choices=ROUTINGS, help="with --replicas: how requests are routed (default affinity)"
+    )
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--small-ratio", type=float, default=0.1, help="S3FIFO small-queue share")
     p.add_argument("--max-freq", type=int, default=3, help="S3FIFO frequency cap")
@@ -464,6 +542,10 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
+    if args.replicas is not None and (args.replicas < 1 or args.sweep):
+        p.error("--replicas must be >= 1, and is for a single replay (not --sweep)")
+    if args.routing is not None and args.replicas is None:
+        p.error("--routing needs --replicas")
     if args.sweep:
         if not args.capacities:
             p.error("--sweep needs --capacities")
@@ -499,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.sweep:
             rows = sweep(requests, args.policies, args.capacities, **opts)
+        elif args.replicas is not None:
+            routing = args.routing or "affinity"
+            result = replay_replicas(requests, args.policy, args.capacity, args.replicas, routing, **opts)
         else:
             result = replay(requests, args.policy, args.capacity, **opts)
     except ValueError as e:  # TraceError, bad S3FIFO ratios or history
@@ -524,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hit blocks: {result.hit_blocks}")
         print(f"total blocks: {result.total_blocks}")
         print(f"unreachable blocks: {result.unreachable_blocks}")
+        if isinstance(result, ReplicasReplayResult):
+            print(f"replicas: {result.replicas} ({result.routing})")
+            print(f"load imbalance (max/mean requests): {result.load_imbalance:.4f}")
+            print(f"requests per replica: {' '.join(map(str, result.requests_per_replica))}")
     return 0
 
 

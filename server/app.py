@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `uvicorn server.app:app` (settings from MINIVLLM_* variables).
 
 The model loads once, in the lifespan; the engine's stepping thread starts there and stops on shutdown.
+The same app is the Ray Serve ingress of `minivllm serve --replicas N`, given a client of the replicas.
 """
 
 import asyncio
@@ -14,6 +15,7 @@ from fastapi.responses import Response
 from minivllm.engine.async_engine import AsyncEngine
 from server import protocol as p
 from server.completions import ChatFormat, CompletionFormat, ServerState, generate, until_disconnect
+from server.engine_client import EngineClient
 from server.errors import APIError, error_response, install_error_handlers
 from server.gateway import GatewayMiddleware
 from server.metrics import Metrics
@@ -26,9 +28,10 @@ from server.tools import ToolCalling
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, engine: AsyncEngine | None = None) -> FastAPI:
-    """The app. Without settings they are read from the environment at startup; with an engine (tests)
-    that engine is used, and started and stopped here unless it already runs."""
+def create_app(settings: Settings | None = None, engine: EngineClient | None = None) -> FastAPI:
+    """The app. Without settings they are read from the environment at startup; with an engine (tests,
+    the Ray Serve ingress) that engine is used; a local AsyncEngine is started and stopped here unless it
+    already runs."""
     metrics = Metrics()
 
     @asynccontextmanager
@@ -37,12 +40,12 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
         eng = engine or await asyncio.to_thread(AsyncEngine, settings.engine_config())
-        owned = not eng.is_running
+        owned = isinstance(eng, AsyncEngine) and not eng.is_running
         if owned:
             eng.start()
         metrics.bind_engine(eng)
         app.state.server = _state(settings, eng, metrics)
-        logger.info("serving %s (max_model_len %d)", app.state.server.model_name, eng.engine.max_model_len)
+        logger.info("serving %s (max_model_len %d)", app.state.server.model_name, eng.max_model_len)
         try:
             yield
         finally:
@@ -57,10 +60,10 @@ def create_app(settings: Settings | None = None, engine: AsyncEngine | None = No
     return app
 
 
-def _state(settings: Settings, engine: AsyncEngine, metrics: Metrics) -> ServerState:
+def _state(settings: Settings, engine: EngineClient, metrics: Metrics) -> ServerState:
     tokenizer = engine.tokenizer
     token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
-    prompts = PromptBuilder(tokenizer, engine.engine.max_model_len)
+    prompts = PromptBuilder(tokenizer, engine.max_model_len)
     special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
     return ServerState(
         settings,
@@ -83,9 +86,11 @@ def _configure_logging(level: str) -> None:
 def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.get("/health")
     async def health(request: Request):
-        if not request.app.state.server.engine.is_running:
+        engine = request.app.state.server.engine
+        if not engine.is_running:
             return error_response(503, "engine is not running")
-        return {"status": "ok"}
+        replicas = sorted(name for name in engine.replica_stats() if name is not None)
+        return {"status": "ok", "replicas": replicas} if replicas else {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -115,7 +120,7 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
         structured = chat_output(body, tools)
         if structured is not None:
             param = "tool_choice" if tools and tools.forced else "response_format"
-            await check_compiles(st.engine.engine.grammars, structured, param)
+            await check_compiles(st.engine.grammars, structured, param)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ChatFormat(st, body.logprobs, tools)
         return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
+from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body
 from server.generation import Delta, Generation
 from server.metrics import Metrics
@@ -31,7 +31,7 @@ MAX_CHOICES = 64
 @dataclass
 class ServerState:
     settings: Settings
-    engine: AsyncEngine
+    engine: EngineClient
     metrics: Metrics
     model_name: str
     token_text: Callable[[int], str]  # one token's text, for logprobs
@@ -41,7 +41,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -228,7 +228,7 @@ async def generate(
     choices = len(prompts) * body.n
     if choices > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n")
-    max_waiting = state.engine.engine.config.max_waiting
+    max_waiting = state.settings.max_waiting
     if choices > max_waiting:  # on a busy server every choice must wait: they must fit the queue together
         raise APIError(
             400,
@@ -236,7 +236,7 @@ async def generate(
             f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
-    vocab_size = state.engine.engine.vocab_size
+    vocab_size = state.engine.vocab_size
     if any(t >= vocab_size for t in body.token_bias):
         raise APIError(
             400, f"logit_bias: token ids must be below the vocabulary size {vocab_size}", param="logit_bias"

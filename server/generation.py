@@ -1,7 +1,7 @@
 """One API request's generation: n engine requests, detokenized, cut at stop strings, merged into one
 stream of deltas that chat and completions format their own way.
 
-Each choice runs in its own task, consuming `AsyncEngine.generate`; closing a Generation cancels the tasks,
+Each choice runs in its own task, consuming the engine's `generate`; closing a Generation cancels the tasks,
 which closes the engine iterators and so aborts the requests and frees their pages.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.llm_engine import QueueFull, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.sequence import TokenLogprob
+from server.engine_client import EngineClient
 from server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Choice:
 class Generation:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         request_id: str,
         prompts: list[list[int]],
         params: list[list[SamplingParams]],

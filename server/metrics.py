@@ -1,7 +1,8 @@
 """Prometheus metrics, in a registry of the app's own.
 
 Request-level series (counts, latencies, tokens) are recorded by the server; the engine's counters and
-gauges are read from `AsyncEngine.stats_snapshot` at scrape time by a custom collector.
+gauges are read from the engine's `replica_stats()` at scrape time by a custom collector: unlabelled for
+one local engine, one series per replica (label `replica`) behind the Ray Serve router.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -9,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-# (metric name, help, stats_snapshot key)
+# (metric name, help, engine stats key)
 _GAUGES = (
     ("minivllm_num_requests_running", "Requests running in the engine", "running"),
     ("minivllm_num_requests_waiting", "Requests waiting for admission", "waiting"),
@@ -61,11 +62,17 @@ class _EngineCollector:
         self.engine = None  # bound when the engine has started
 
     def collect(self):
-        stats = getattr(self.engine, "stats_snapshot", None) or {}
-        for name, help_, key in _GAUGES:
-            yield GaugeMetricFamily(name, help_, value=stats.get(key, 0))
-        for name, help_, key in _COUNTERS:
-            yield CounterMetricFamily(name, help_, value=stats.get(key, 0))
+        by_replica = self.engine.replica_stats() if self.engine is not None else {None: {}}
+        labelled = None not in by_replica
+        for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, help_, key in table:
+                if not labelled:
+                    yield family(name, help_, value=by_replica[None].get(key, 0))
+                    continue
+                metric = family(name, help_, labels=["replica"])
+                for replica, stats in sorted(by_replica.items()):
+                    metric.add_metric([replica], stats.get(key, 0))
+                yield metric
 
 
 class Metrics:

@@ -1,4 +1,5 @@
-"""`minivllm serve`: the server's settings as flags, then uvicorn on the app."""
+"""`minivllm serve`: the server's settings as flags, then uvicorn on the app; with `--replicas N`, the same
+app in front of N engine replicas on Ray Serve (Ray is imported only then)."""
 
 import argparse
 import logging
@@ -6,15 +7,24 @@ import sys
 
 import uvicorn
 
+from minivllm.cluster.routing import ROUTINGS, RoutingConfig
 from server.app import create_app
 from server.settings import SettingsError, add_serve_arguments, settings_from_args
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """Parse flags, validate, run uvicorn on the app. Returns the exit status."""
+    """Parse flags, validate, run uvicorn on the app (or Ray Serve). Returns the exit status."""
     parser = argparse.ArgumentParser(prog="minivllm serve", description="OpenAI-compatible minivllm server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        help="serve with this many engine replicas on Ray Serve (needs the ray extra); default: one process",
+    )
+    parser.add_argument(
+        "--routing", choices=ROUTINGS, help="with --replicas: how requests pick a replica (default affinity)"
+    )
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -22,11 +32,28 @@ def serve_main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"minivllm serve: error: {e}", file=sys.stderr)
         return 2
+    if args.replicas is None and args.routing is not None:
+        print("minivllm serve: error: --routing needs --replicas", file=sys.stderr)
+        return 2
+    if args.replicas is not None and args.replicas < 1:
+        print("minivllm serve: error: --replicas must be >= 1", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
-    return 0
+    if args.replicas is None:
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
+        return 0
+    try:
+        from server.cluster.app import run
+    except ImportError as e:
+        print(
+            f"minivllm serve: error: --replicas needs Ray Serve: pip install 'minivllm[ray]' ({e})",
+            file=sys.stderr,
+        )
+        return 2
+    routing = RoutingConfig(policy=args.routing or "affinity")
+    return run(settings, args.replicas, routing, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -246,10 +246,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
     """Flags override environment variables, which override defaults. Errors name the flag or variable."""
-    base = Settings.from_env(environ)
+    raws = {o.name: getattr(args, o.name) for o in OPTIONS if getattr(args, o.name, None) is not None}
+    return _override(Settings.from_env(environ), raws, lambda o: o.flag)
+
+
+def settings_from_mapping(values: Mapping[str, object], environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings by option name (model, kv_cache_bytes, ...), values written as for the flags: the
+    application args of a Ray Serve config. Errors name the setting."""
+    unknown = sorted(set(values) - set(_BY_NAME))
+    if unknown:
+        raise SettingsError(f"unknown settings {unknown}; expected names from {sorted(_BY_NAME)}")
+    raws = {name: str(value) for name, value in values.items()}
+    return _override(Settings.from_env(environ), raws, lambda o: o.name)
+
+
+def _override(base: Settings, raws: Mapping[str, str], source: Callable[[Option], str]) -> Settings:
     values = base.as_dict()
-    for o in OPTIONS:
-        raw = getattr(args, o.name, None)
-        if raw is not None:
-            values[o.name] = _parse(o, raw, o.flag)
+    for name, raw in raws.items():
+        option = _BY_NAME[name]
+        values[name] = _parse(option, raw, source(option))
     return Settings(**values).validated()

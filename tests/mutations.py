@@ -39,6 +39,7 @@ class Mutation:
 
 SCHEDULER = "minivllm/engine/scheduler.py"
 KERNEL = "kernels/paged_attention.py"
+ROUTING = "minivllm/cluster/routing.py"
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -317,6 +318,55 @@ MUTATIONS = [
         "page = after + 1 if after is not None else -1",
         "page = -1",
         ("tests/test_free_pages.py",),
+    ),
+    # -- routing over replicas (the replay's rule and the Ray Serve router) ------------------------------------
+    Mutation(
+        "affinity-ignores-holders",
+        "affinity forgets which replicas hold a prefix and picks the least-loaded replica",
+        ROUTING,
+        "first = next(r for r in by_load if self._bits[r] & mask)",
+        "first = by_load[0]",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
+        "no-load-fallback",
+        "affinity never yields to the least-loaded replica, however uneven the load",
+        ROUTING,
+        "return by_load[0] if self._overloaded(first) else first",
+        "return first",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
+        "one-choice-for-cold-prefixes",
+        "a prefix never seen goes to its rendezvous owner however loaded (one choice, not two)",
+        ROUTING,
+        "rendezvous_order(page_keys[0], self._bits)[:2]",
+        "rendezvous_order(page_keys[0], self._bits)[:1]",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
+        "in-flight-never-ends",
+        "a finished request still counts as load on its replica",
+        ROUTING,
+        "        if self._load.get(replica, 0) > 0:\n            self._load[replica] -= 1",
+        "        pass",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
+        "dead-replica-still-holds",
+        "a removed replica still counts as holding its prefixes",
+        ROUTING,
+        "self._live_mask &= ~bit",
+        "pass",
+        ("tests/test_routing.py",),
+    ),
+    Mutation(
+        "router-ignores-the-prompt",
+        "the Ray Serve router routes without the prompt's page hashes",
+        "server/cluster/router.py",
+        "        if prompt:\n            extend_page_hashes",
+        "        if False:\n            extend_page_hashes",
+        ("tests/test_cluster.py", "-k", "turn or burst"),
     ),
 ]
 

@@ -46,6 +46,16 @@ def test_running_server_and_stream_chat(tiny_model_dir, tokenizer):
         httpx.get(proc_url + "/v1/models", timeout=2.0)
 
 
+def test_minivllm_replicas_start_through_the_serve_command(tiny_model_dir):
+    spec = servers.ServerSpec("minivllm", tiny_model_dir, replicas=2, routing="round-robin")
+    cmd, env = servers._server_command(spec, tiny_model_dir, 8123)
+    assert cmd[1:] == ["-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "8123",
+                       "--replicas", "2", "--routing", "round-robin"]  # fmt: skip
+    assert env["MINIVLLM_MODEL"] == str(tiny_model_dir)
+    single, _ = servers._server_command(servers.ServerSpec("minivllm", tiny_model_dir), tiny_model_dir, 8123)
+    assert single[1:3] == ["-m", "uvicorn"]
+
+
 def test_running_server_reports_a_dying_server(tiny_model_dir):
     spec = servers.ServerSpec(SERVER, tiny_model_dir, label="smoke-dies", extra_args=["--no-such-flag"])
     with pytest.raises(RuntimeError, match="exited with code") as info:

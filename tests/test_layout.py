@@ -6,6 +6,8 @@ dependency); imports under `if TYPE_CHECKING:` do not (they never run).
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -16,6 +18,7 @@ RULES: dict[str, set[str]] = {
     "kernels": set(),
     "minivllm.config": set(),
     "minivllm.cache": set(),
+    "minivllm.cluster": set(),
     "minivllm.models": {"kernels"},
     "minivllm.engine": {"minivllm.cache", "minivllm.models", "minivllm.config", "kernels"},
     "minivllm": {"minivllm", "kernels"},  # the entry points: llm, cli, replay, the package itself
@@ -149,6 +152,22 @@ def test_every_folder_says_what_lives_there():
         assert doc and "import" in doc, (
             f"{init.relative_to(REPO)} needs a docstring saying what it may import"
         )
+
+
+def test_the_single_process_server_never_imports_ray():
+    """Ray is an optional extra: the default server, the commands and the replay run without it. Only
+    `minivllm serve --replicas` imports it (server.cluster)."""
+    code = (
+        "import sys\n"
+        "import minivllm.cli, minivllm.replay, minivllm.cluster.routing, server.app, server.cli, server.serve\n"
+        "from server.app import create_app\n"
+        "create_app()\n"
+        "rc = server.cli.main(['replay', '/no/such/trace', '--policy', 'lru', '--capacity', '1'])\n"
+        "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'server.cluster')))\n"
+        "print(rc, loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2 []"
 
 
 # -- the checker itself, on synthetic trees ----------------------------------------------------------------

@@ -3,6 +3,7 @@ the official openai client (and httpx for what the client will not send)."""
 
 import argparse
 import asyncio
+import contextlib
 
 import httpx
 import openai
@@ -11,7 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.engine.sampling_params import choice_seed
 from server.serve import serve_main
-from server.settings import Settings, SettingsError, add_serve_arguments, settings_from_args
+from server.settings import (
+    Settings,
+    SettingsError,
+    add_serve_arguments,
+    settings_from_args,
+    settings_from_mapping,
+)
 from tests.server_thread import ServerThread, assert_error, tiny_settings
 
 MODEL = "tiny"
@@ -418,3 +425,21 @@ def test_settings_from_env_and_flags():
     with pytest.raises(SettingsError, match="--max-num-seqs"):
         settings_from_args(parser.parse_args(["--max-num-seqs", "x"]), {})
     assert serve_main(["--eviction", "nope"]) == 2
+
+
+def test_settings_from_a_mapping_name_the_setting():
+    s = settings_from_mapping({"kv_cache_bytes": "4M", "max_num_seqs": 4, "prefix_cache": False}, {})
+    assert (s.kv_cache_bytes, s.max_num_seqs, s.prefix_cache) == (4 << 20, 4, False)
+    with pytest.raises(SettingsError, match="^max_waiting: "):
+        settings_from_mapping({"max_waiting": "x"}, {})
+    with pytest.raises(SettingsError, match="unknown settings"):
+        settings_from_mapping({"colour": "blue"}, {})
+
+
+@pytest.mark.parametrize(
+    "flags", [["--routing", "affinity"], ["--replicas", "0"], ["--replicas", "2", "--routing", "x"]]
+)
+def test_serve_refuses_bad_replica_flags(flags, capsys):
+    with pytest.raises(SystemExit) if "x" in flags else contextlib.nullcontext():
+        assert serve_main(flags) == 2
+    assert "error" in capsys.readouterr().err

@@ -30,6 +30,8 @@ class ServerSpec:
     label: str = ""  # names the log file, e.g. "prefix-cache-off"
     extra_args: list[str] = field(default_factory=list)  # extra CLI args (mlx-lm only)
     startup_timeout_s: float = 900.0  # the real model on CPU dequantizes at load
+    replicas: int | None = None  # minivllm only: `minivllm serve --replicas N` on a local Ray Serve
+    routing: str = "affinity"  # with replicas: affinity | round-robin | least-loaded
 
 
 @dataclass
@@ -74,6 +76,9 @@ def _server_command(spec: ServerSpec, model: Path, port: int) -> tuple[list[str]
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if spec.name == "minivllm":
         env.update({"MINIVLLM_MODEL": str(model), **spec.env})
+        if spec.replicas is not None:
+            replicas = ["--replicas", str(spec.replicas), "--routing", spec.routing]
+            return [sys.executable, "-m", "server.cli", "serve", *host, *replicas], env
         return [sys.executable, "-m", "uvicorn", "server.app:app", *host], env
     if spec.name == "mlx-lm":
         if is_cpu_backend() and OPENBLAS.exists():
@@ -114,12 +119,12 @@ def _model_id(spec: ServerSpec, base_url: str, model: Path) -> str:
     return data[0]["id"] if data else str(model)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
     if proc.poll() is not None:
         return
-    proc.terminate()
+    proc.terminate()  # minivllm serve --replicas shuts Ray Serve and Ray down on SIGTERM
     try:
-        proc.wait(timeout=15)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=15)
@@ -150,4 +155,4 @@ def running_server(spec: ServerSpec) -> Iterator[Server]:
             _wait_healthy(proc, health, log_path, spec.startup_timeout_s)
             yield Server(spec, base_url, _model_id(spec, base_url, model), model, log_path)
         finally:
-            _stop(proc)
+            _stop(proc, 120.0 if spec.replicas is not None else 15.0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from llguidance import LLMatcher
 
 from minivllm.config import EngineConfig
+from minivllm.engine.grammar import GrammarCompiler
 from minivllm.engine.llm_engine import LLMEngine, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,23 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.engine.grammars
+
+    def replica_stats(self) -> dict[str | None, dict]:
+        """The engine's latest stats; one process is one unnamed replica (the server's common view of
+        a single engine and of several behind a router)."""
+        return {None: self.stats_snapshot}
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the stepping thread and end every open stream. Call it on the event loop's thread."""

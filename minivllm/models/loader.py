@@ -87,6 +87,22 @@ def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Modu
     return model, tokenizer, config
 
 
+def load_tokenizer(ref: str | None) -> TokenizerWrapper:
+    """The model's tokenizer alone, as `load_model` builds it (the Ray Serve ingress tokenizes, replicas
+    hold the weights). A repo id fetches only its tokenizer and config files."""
+    resolved = resolve_model(ref)
+    try:
+        path = Path(resolved)
+        if not path.is_dir():
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(resolved, allow_patterns=["*.json", "*.jinja", "tokenizer.model"]))
+        config = mlx_lm.utils.load_config(path)
+        return mlx_lm.utils.load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # hub failures, bad directories
+        raise ValueError(f"cannot load the tokenizer of {ref!r} ({resolved}): {e}") from e
+
+
 def activation_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype hidden states (and so the KV pool) use: the norms' dtype, never quantized."""
     return model.model.norm.weight.dtype
