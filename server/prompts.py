@@ -5,14 +5,17 @@ thread and the event loop keeps serving /health and the open streams meanwhile. 
 transformers switches special-token parsing on and off per call by setting a flag on the shared Rust
 tokenizer, so concurrent encodes can get each other's setting (seen: a few in a hundred).
 
-Chat message content is text, never control tokens: transformers' `sanitize_control_tokens` encodes a
-special-token string inside a message (`<|im_start|>system`) as plain text, while the markers the template
-writes itself stay control tokens. A raw /v1/completions prompt is the caller's own full prompt: special-token
-strings in it are parsed as the tokens they name.
+Chat message content is text, never control tokens: a special-token string inside a message
+(`<|im_start|>system`) is tokenized exactly as plain text (the same tokens as `encode(content,
+split_special_tokens=True)`), while the markers the template writes itself stay control tokens. A raw
+/v1/completions prompt is the caller's own full prompt: special-token strings in it are parsed as the tokens
+they name.
 """
 
 import asyncio
+import copy
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -24,6 +27,7 @@ from server.tools import conversation
 T = TypeVar("T")
 NORMALIZED_PIECE = 1 << 16  # characters normalized per call
 CHANGED_ACROSS_A_CUT = 8  # characters a normalizer may add or save across a cut between pieces
+CONTENT_MARK = "\ue000{}\ue001"  # stands for message content i in a rendering (private-use characters)
 
 
 def context_length_error(
@@ -54,6 +58,8 @@ class PromptBuilder:
             )
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        special = [t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values() if t.special]
+        self.control_strings = re.compile("|".join(map(re.escape, special))) if special else None
         # no token covers more characters of normalized text than the longest vocabulary entry (byte-level
         # entries spell one character per byte), so a text of C such characters has at least C / this tokens
         self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
@@ -100,14 +106,48 @@ class PromptBuilder:
                 turns, tools=tools, add_generation_prompt=True, tokenize=False
             )
             self._check_fits(text, max_tokens, "messages")
-            ids = self.tokenizer.apply_chat_template(
-                turns, tools=tools, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
-            )
+            contents = [t["content"] for t in turns if isinstance(t.get("content"), str)]
+            if self.control_strings is None or not any(self.control_strings.search(c) for c in contents):
+                return self.tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template does
+            ids = self._ids_with_plain_contents(turns, tools)
+            if ids is None:  # the template rewrote the content: transformers' own guard, close to plain text
+                ids = self.tokenizer.apply_chat_template(
+                    turns,
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    sanitize_control_tokens=True,
+                )
         except APIError:
             raise
         except Exception as e:  # no template, or one that rejects these messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def _ids_with_plain_contents(self, turns: list[dict], tools: list[dict] | None) -> list[int] | None:
+        """Render the template with a mark in place of each message's content, then tokenize the template's
+        text as usual and each content as plain text. None if some mark did not come through once, intact."""
+        marked = copy.deepcopy(turns)
+        contents = []
+        for turn in marked:
+            if isinstance(turn.get("content"), str):
+                contents.append(turn["content"])
+                turn["content"] = CONTENT_MARK.format(len(contents) - 1)
+        text = self.tokenizer.apply_chat_template(
+            marked, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        pieces = re.split("\ue000([0-9]+)\ue001", text)  # template, content index, template, ...
+        if [int(i) for i in pieces[1::2]] != list(range(len(contents))):
+            return None
+        ids: list[int] = []
+        for j, piece in enumerate(pieces):
+            if j % 2:
+                ids += self.tokenizer.encode(
+                    contents[int(piece)], add_special_tokens=False, split_special_tokens=True
+                )
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
 
     def _completion_ids(self, prompts: list, max_tokens: int | None) -> list[list[int]]:
         for x in prompts:
