@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     if known.tiny:  # before runner.parse_args, which would resolve (and fetch) the default model
         from tests.tiny_model import make_tiny_model
 
-        rest += ["--tiny", "--model", str(make_tiny_model(Path(tempfile.mkdtemp(prefix="minivllm-tiny-"))))]
+        model = make_tiny_model(Path(tempfile.mkdtemp(prefix="minivllm-tiny-")), max_position_embeddings=8192)
+        rest += ["--tiny", "--model", str(model)]  # 8k context: the sweep's conversations outgrow 2k
     args = runner.parse_args(p, rest)
     unknown = [x for x in args.policies if x not in POLICIES]
     if unknown:
