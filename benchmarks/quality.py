@@ -88,7 +88,7 @@ def weight_bytes(model_dir: Path) -> tuple[int, int]:
 
 def row(variant: str, scores: dict[str, TextScore], model_bytes: int, step_bytes: int) -> dict:
     out: dict = {"variant": variant}
-    for key, fmt in (("kl", "{:.4f}"), ("top1", "{:.1%}"), ("perplexity", "{:.2f}")):
+    for key, fmt in (("kl", "{:.2g}"), ("top1", "{:.1%}"), ("perplexity", "{:.2f}")):
         label = {"kl": "KL", "top1": "top-1 agreement", "perplexity": "perplexity"}[key]
         out[f"{label} (code / prose)"] = " / ".join(fmt.format(getattr(scores[t], key)) for t in TEXT_NAMES)
     out["model MB"] = f"{model_bytes / 1e6:,.0f}"

@@ -176,7 +176,7 @@ def test_quality_benchmark_on_a_tiny_gguf(tmp_path):
     quality.main(["--gguf", str(tmp_path / "tiny.gguf"), "--quick", "--plot", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "quality-quick.json").read_text())
     reference, transcode, q4 = data["rows"]
-    assert reference["KL (code / prose)"] == "0.0000 / 0.0000"
+    assert reference["KL (code / prose)"] == "0 / 0"
     assert reference["top-1 agreement (code / prose)"] == "100.0% / 100.0%"
     for text in ("code", "prose"):
         assert 0 <= data["raw"]["transcode (default)"][text]["kl"] < data["raw"]["4-bit g64"][text]["kl"]
