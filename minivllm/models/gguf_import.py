@@ -422,12 +422,7 @@ def write_model_dir(reader: GGUFReader, tmp: Path, uniform: UniformQuantization 
     if uniform is None:
         logger.info("transcoding the GGUF's quantized blocks to MLX affine weights (exact where possible)")
         weights, per_module, records = transcoded_weights(reader, info)
-        # Every quantized module has its own entry; the top-level pair only fills mlx-lm's required keys.
-        quantization = {
-            "group_size": GROUP_SIZE,
-            "bits": Counter(m["bits"] for m in per_module.values()).most_common(1)[0][0],
-            **per_module,
-        }
+        quantization = mixed_quantization(per_module)
         report = {"mode": "transcode", "tensors": [asdict(r) for r in records]}
         (tmp / "transcode_report.json").write_text(json.dumps(report, indent=1))
     else:

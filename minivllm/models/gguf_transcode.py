@@ -22,16 +22,17 @@ every group; groups without one make the tensor 8-bit, with those groups rounded
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import gguf.quants
 import mlx.core as mx
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import Q4_K, dequantize
+from gguf.quants import Q4_K
 
 GROUP_SIZE = 32
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-MLX_CHECK_ROWS = 64  # rows per tensor that verification also dequantizes with MLX's kernel
-FIT_CHUNK_GROUPS = 1 << 18  # groups per chunk in fit_grid (bounds its float64 temporaries to ~70 MB)
+MLX_CHECK_ROWS = 64  # rows per tensor whose packed words verification also reads with MLX's kernel
+CHUNK_WEIGHTS = 1 << 20  # weights transcoded at a time: the float32 temporaries (4 MB) stay in cache
 
 
 class TranscodeError(ValueError):
@@ -46,8 +47,14 @@ class AffineWeight:
     scales: np.ndarray  # float32, shape (rows, cols // GROUP_SIZE)
     biases: np.ndarray  # float32, same shape
     bits: int
-    max_error: float = 0.0  # largest |w - GGUF dequantized|; 0.0 means exact
-    tolerance: float = 0.0  # accepted by verification: 0.0 (exact), or half an 8-bit step for rounded groups
+    tolerance: float = 0.0  # error verification accepts: 0.0 (exact), or about half a step if rounded
+
+    def values(self) -> np.ndarray:
+        """The float32 weights MLX computes from these: scale * q, then + bias, each rounded to float32."""
+        rows, cols = self.q.shape
+        w = np.multiply(self.q.reshape(rows, -1, GROUP_SIZE), self.scales[..., None], dtype=np.float32)
+        w += self.biases[..., None]
+        return w.reshape(rows, cols)
 
 
 # -- exact decoders: raw blocks (n, type_size) uint8 -> levels (n, block), scales and biases (n, block / 32)
@@ -142,16 +149,11 @@ def fit_grid(w: np.ndarray) -> AffineWeight:
     """
     rows, cols = w.shape
     groups = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, GROUP_SIZE)
-    chunks = range(0, len(groups), FIT_CHUNK_GROUPS)
-    q, steps, lows, exact = (
-        np.concatenate(x) for x in zip(*(_fit_chunk(groups[i : i + FIT_CHUNK_GROUPS]) for i in chunks))
-    )
+    q, steps, lows, exact = _exact_grids(groups)
     rounded = ~exact
     bits = 8 if rounded.any() else next(b for b in MLX_BITS if q.max(initial=0) < 2**b)
     if rounded.any():
         q[rounded], steps[rounded] = _round_to_8_bits(groups[rounded], lows[rounded])
-    recon = steps[:, None] * q.astype(np.float32) + lows[:, None]
-    max_error = float(np.abs(recon - groups).max(initial=0.0))
     # Half a step, plus float32 rounding of the reconstruction (2**-23 relative, twice for margin).
     slack = steps[rounded] / 2 + np.abs(groups[rounded]).max(-1, initial=0.0) * 2**-22
     return AffineWeight(
@@ -159,12 +161,11 @@ def fit_grid(w: np.ndarray) -> AffineWeight:
         steps.reshape(rows, -1),
         lows.reshape(rows, -1),
         bits,
-        max_error,
         float(slack.max(initial=0.0)),
     )
 
 
-def _fit_chunk(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _exact_grids(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Levels (valid where exact), step, minimum and whether the grid is exact, per group."""
     ordered = np.sort(groups, axis=-1)
     gaps = np.diff(ordered, axis=-1)
@@ -202,7 +203,12 @@ def _lane_masks(bits: int) -> list[tuple[int, np.uint64, int]]:
 def pack_levels(q: np.ndarray, bits: int) -> np.ndarray:
     """uint8 levels (rows, cols) -> MLX's packed uint32 (rows, cols * bits / 32)."""
     rows, cols = q.shape
-    x = np.ascontiguousarray(q).reshape(-1, 8).view(np.uint64).ravel().copy()  # level j in byte j
+    q = np.ascontiguousarray(q)
+    if bits == 8:  # one level per byte already
+        return q.view(np.uint32)
+    if bits == 4:  # two per byte, the even element in the low nibble
+        return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view(np.uint32)
+    x = q.reshape(-1, 8).view(np.uint64).ravel().copy()  # level j in byte j
     for width, mask, half in _lane_masks(bits):  # pull each lane's upper half down next to its lower half
         upper = x >> np.uint64(half - width)
         upper &= mask << np.uint64(width)
@@ -215,8 +221,13 @@ def pack_levels(q: np.ndarray, bits: int) -> np.ndarray:
 def unpack_levels(packed: np.ndarray, bits: int) -> np.ndarray:
     """The inverse of `pack_levels`: MLX's packed uint32 (rows, n) -> uint8 levels (rows, n * 32 / bits)."""
     rows = packed.shape[0]
+    packed_bytes = np.ascontiguousarray(packed).view(np.uint8)
+    if bits == 8:
+        return packed_bytes
+    if bits == 4:
+        return np.stack([packed_bytes & 0x0F, packed_bytes >> 4], axis=-1).reshape(rows, -1)
     eights = np.zeros((packed.size * 4 // bits, 8), np.uint8)
-    eights[:, :bits] = np.ascontiguousarray(packed).view(np.uint8).reshape(-1, bits)
+    eights[:, :bits] = packed_bytes.reshape(-1, bits)
     x = eights.view(np.uint64).ravel()
     for width, mask, half in reversed(_lane_masks(bits)):  # push each upper field out to its lane's half
         upper = x & (mask << np.uint64(width))
@@ -226,26 +237,24 @@ def unpack_levels(packed: np.ndarray, bits: int) -> np.ndarray:
     return x.view(np.uint8).reshape(rows, -1)
 
 
-def dequantize_affine(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
-    """MLX's affine dequantization in numpy, in float32: scale * q + bias, product then sum.
-
-    The group size follows from the shapes. Equal to `mx.dequantize` with float32 scales and biases
-    (tests check every width), and several times faster than MLX's CPU kernel at 3, 5 and 6 bits.
-    """
-    q = unpack_levels(packed, bits)
-    rows, cols = q.shape
-    w = np.multiply(
-        q.reshape(rows, scales.shape[1], -1), scales.astype(np.float32)[..., None], dtype=np.float32
-    )
-    w += biases.astype(np.float32)[..., None]
-    return w.reshape(rows, cols)
-
-
 def narrowest_float(*arrays: np.ndarray) -> np.dtype:
     """float16 when every value survives the round trip through it, otherwise float32."""
     with np.errstate(over="ignore"):
         fits = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays)
     return np.dtype(np.float16 if fits else np.float32)
+
+
+def gguf_values(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """gguf's own dequantization of rows of quantized blocks, as float32 (rows, cols).
+
+    `gguf.quants.dequantize` runs its type's `dequantize_rows` over groups of 16 rows; each block
+    dequantizes on its own, so running it over a larger chunk of rows gives the same values, faster.
+    """
+    kind = getattr(gguf.quants, qtype.name, None)
+    if kind is None or not hasattr(kind, "dequantize_rows"):
+        raise TranscodeError(f"gguf cannot dequantize {qtype.name} tensors")
+    kind.init_grid()  # the IQ types' lookup grids, built on first use (as `dequantize` does)
+    return kind.dequantize_rows(np.ascontiguousarray(raw))
 
 
 @dataclass(slots=True)
@@ -257,6 +266,7 @@ class TranscodedWeight:
     biases: np.ndarray
     bits: int
     max_error: float  # largest |MLX weight - GGUF dequantized|; 0.0: exact
+    head: np.ndarray  # the float32 weights of the first rows, for to_mlx's check with MLX's kernel
 
     @property
     def scale_dtype(self) -> str:
@@ -273,35 +283,43 @@ def transcode(
 ) -> TranscodedWeight:
     """One quantized 2-D GGUF tensor -> MLX packed weight, scales and biases; numpy only (thread-safe).
 
-    Raises TranscodeError unless dequantizing the packed weight (`dequantize_affine`) gives back
-    `gguf.quants.dequantize`'s values: equal ones for exact types, within the stated tolerance otherwise.
-    Scales are float16 where that holds them exactly, unless `float32_scales`: an embedding needs that,
-    since MLX's quantized embedding returns its rows in the scales' dtype.
+    Raises TranscodeError unless the weights MLX computes from them (scale * q + bias in float32) are
+    gguf's dequantized values: equal for exact types, within the stated tolerance otherwise. Scales are
+    float16 where that holds them exactly, unless `float32_scales`: an embedding needs that, since MLX's
+    quantized embedding returns its rows in the scales' dtype.
     """
-    reference = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape)
-    affine = decode_exact(raw, qtype, shape) if qtype in EXACT_DECODERS else fit_grid(reference)
-    packed = pack_levels(affine.q, affine.bits)
-    got = dequantize_affine(packed, affine.scales, affine.biases, affine.bits)
-    if affine.tolerance == 0 and np.array_equal(got, reference):
-        err = 0.0
-    else:
-        err = float(np.abs(got - reference).max())
-    if not err <= affine.tolerance:  # also catches NaN
-        kind = "equal" if affine.tolerance == 0 else f"within {affine.tolerance:.3g}"
-        raise TranscodeError(
-            f"{name}: {qtype.name} -> {affine.bits}-bit MLX weights are not {kind} to GGUF's (max error {err:.3g})"
-        )
-    dtype = np.dtype(np.float32) if float32_scales else narrowest_float(affine.scales, affine.biases)
-    return TranscodedWeight(
-        packed, affine.scales.astype(dtype), affine.biases.astype(dtype), affine.bits, err
-    )
+    rows, cols = shape
+    step = max(1, CHUNK_WEIGHTS // cols)
+    parts, max_error, head = [], 0.0, np.empty((0, cols), np.float32)
+    for start in range(0, rows, step):  # chunks of rows: the float temporaries stay small and in cache
+        chunk = raw[start : start + step]
+        reference = gguf_values(chunk, qtype)
+        n = reference.shape[0]
+        affine = decode_exact(chunk, qtype, (n, cols)) if qtype in EXACT_DECODERS else fit_grid(reference)
+        got = affine.values()
+        err = 0.0 if np.array_equal(got, reference) else float(np.abs(got - reference).max())
+        if not err <= affine.tolerance:  # also catches NaN
+            kind = "equal" if affine.tolerance == 0 else f"within {affine.tolerance:.3g}"
+            raise TranscodeError(
+                f"{name}: {qtype.name} -> {affine.bits}-bit MLX weights are not {kind} to GGUF's "
+                f"(max error {err:.3g} in rows {start}-{start + n - 1})"
+            )
+        max_error = max(max_error, err)
+        if start == 0:  # what MLX's kernel must give for the first rows (to_mlx)
+            head = got[:MLX_CHECK_ROWS].copy()
+        parts.append(affine)
+    bits = max(p.bits for p in parts)  # chunks may fit narrower grids; the widest holds every level
+    scales, biases = (np.concatenate([getattr(p, k) for p in parts]) for k in ("scales", "biases"))
+    dtype = np.dtype(np.float32) if float32_scales else narrowest_float(scales, biases)
+    packed = np.concatenate([pack_levels(p.q, bits) for p in parts])
+    return TranscodedWeight(packed, scales.astype(dtype), biases.astype(dtype), bits, max_error, head)
 
 
 def to_mlx(name: str, t: TranscodedWeight) -> dict[str, mx.array]:
-    """The MLX arrays under `name`'s stem, after MLX's own kernel has dequantized a sample of rows the same.
+    """The MLX arrays under `name`'s stem, once MLX's own kernel has dequantized the first rows the same.
 
-    `transcode` checked every row through `dequantize_affine`; this ties that numpy reading of the format
-    to MLX's, so a packing slip cannot hide behind a matching unpacking slip.
+    `transcode` checked every value from the levels; this checks the packed words as MLX reads them.
+    Packing treats every row alike, so a packing slip shows in the first rows.
     """
     stem = name.removesuffix(".weight")
     arrays = {
@@ -309,7 +327,7 @@ def to_mlx(name: str, t: TranscodedWeight) -> dict[str, mx.array]:
         f"{stem}.scales": mx.array(t.scales),
         f"{stem}.biases": mx.array(t.biases),
     }
-    rows = slice(0, MLX_CHECK_ROWS)
+    rows = slice(0, len(t.head))
     by_mlx = mx.dequantize(
         arrays[name][rows],
         arrays[f"{stem}.scales"][rows].astype(mx.float32),
@@ -317,7 +335,6 @@ def to_mlx(name: str, t: TranscodedWeight) -> dict[str, mx.array]:
         group_size=GROUP_SIZE,
         bits=t.bits,
     )
-    by_numpy = dequantize_affine(t.packed[rows], t.scales[rows], t.biases[rows], t.bits)
-    if not np.array_equal(np.array(by_mlx), by_numpy):
+    if not np.array_equal(np.array(by_mlx), t.head):
         raise TranscodeError(f"{name}: mx.dequantize disagrees with the packed levels (a packing bug)")
     return arrays

@@ -19,7 +19,7 @@ from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from minivllm.models.backend import Backend, detect_backend
-from minivllm.models.gguf_transcode import dequantize_affine
+from minivllm.models.gguf_transcode import unpack_levels
 from minivllm.models.qwen2 import check_supported
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
 
     The product scale * q + bias is formed in float32 whatever the scales' dtype (float16 scales would
     otherwise round each weight to float16), so transcoded GGUF weights keep their exact values. Affine
-    weights go through numpy (several times faster than MLX's CPU kernel at 5 bits); other formats
-    (mxfp4, ...) through mx.dequantize.
+    levels are unpacked with numpy (MLX's CPU kernel is several times slower at 5 bits); other formats
+    (mxfp4, ...) go through mx.dequantize.
     """
     floating = (mx.float16, mx.bfloat16, mx.float32)
     model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in floating else p, model.parameters()))
@@ -148,11 +148,18 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
 
 
 def _float_weight(module: nn.Module) -> mx.array:
-    if module.mode == "affine":
-        packed, scales, biases = (np.array(a) for a in (module.weight, module.scales, module.biases))
-        return mx.array(dequantize_affine(packed, scales, biases, module.bits))
-    biases = module.get("biases")
-    return mx.dequantize(module.weight, module.scales, biases, module.group_size, module.bits, module.mode)
+    if module.mode == "affine":  # numpy unpacks the levels; MLX forms scale * q + bias, as mx.dequantize does
+        levels = mx.array(unpack_levels(np.array(module.weight), module.bits))
+        rows, cols = levels.shape
+        groups = levels.reshape(rows, -1, module.group_size).astype(mx.float32)
+        weight = (groups * module.scales[..., None] + module.biases[..., None]).reshape(rows, cols)
+    else:
+        biases = module.get("biases")
+        weight = mx.dequantize(
+            module.weight, module.scales, biases, module.group_size, module.bits, module.mode
+        )
+    mx.eval(weight)  # one matrix at a time: the temporaries stay one matrix big
+    return weight
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
