@@ -30,7 +30,15 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from benchmarks.harness.models import tensor_bytes
-from benchmarks.harness.results import RESULTS_DIR, metadata, print_report, save_plot, write_results
+from benchmarks.harness.results import (
+    RESULTS_DIR,
+    DirtyTree,
+    metadata,
+    print_report,
+    require_clean_tree,
+    save_plot,
+    write_results,
+)
 from minivllm.models.default_model import cache_root, fetch_gguf
 from minivllm.models.gguf_import import UniformQuantization, convert_gguf, load_float_model
 from minivllm.models.loader import load_model
@@ -103,7 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--plot", action="store_true", help="also write quality.png (KL per variant)")
     p.add_argument("--quick", action="store_true", help="two variants, 64 tokens: a smoke test")
+    p.add_argument("--allow-dirty", action="store_true", help="results are then written as <name>-DIRTY.*")
     args = p.parse_args(argv)
+    try:
+        require_clean_tree(args.allow_dirty)
+    except DirtyTree as e:
+        p.error(str(e))
     if args.gguf is None:
         root = cache_root()
         root.mkdir(parents=True, exist_ok=True)
@@ -155,11 +168,14 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(model_dir)
 
     name = "quality" + ("-quick" if args.quick else "")
-    print_report(write_results(name, rows, meta or {}, out_dir=args.out, raw=raw))
+    paths = write_results(name, rows, meta or {}, out_dir=args.out, raw=raw, allow_dirty=args.allow_dirty)
+    print_report(paths)
     if args.plot:
         series = {t: [raw[v][t]["kl"] for v in variants] for t in TEXT_NAMES}
         labels = [v.replace(", ", "\n").replace(" (", "\n(") for v in variants]
-        path = save_plot(name, labels, series, "KL vs the GGUF (nats/token)", out_dir=args.out, log_y=True)
+        path = save_plot(
+            paths[0].stem, labels, series, "KL vs the GGUF (nats/token)", out_dir=args.out, log_y=True
+        )
         print(f"wrote {path}")
 
 
