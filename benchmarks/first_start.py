@@ -30,13 +30,12 @@ from benchmarks.harness.checkouts import checkout
 from benchmarks.harness.results import (
     REPO_ROOT,
     RESULTS_DIR,
-    DirtyTree,
     mean_sd,
     metadata,
     print_report,
-    require_clean_tree,
     write_results,
 )
+from benchmarks.harness.runner import add_allow_dirty, parse_on_clean_tree
 from benchmarks.harness.servers import ServerSpec, running_server
 from minivllm.models.default_model import MODEL_NAME, installed_part
 
@@ -107,12 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline", help="a commit or a checkout directory whose server starts too, alternating")
     p.add_argument("--name", default="first_start", help="results file name")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
-    p.add_argument("--allow-dirty", action="store_true", help="results are then written as <name>-DIRTY.*")
-    args = p.parse_args(argv)
-    try:
-        require_clean_tree(args.allow_dirty)
-    except DirtyTree as e:
-        p.error(str(e))
+    add_allow_dirty(p)
+    args = parse_on_clean_tree(p, argv)
 
     installed = all(installed_part(k) for k in range(1, 7))
     with contextlib.ExitStack() as stack:

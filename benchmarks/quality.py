@@ -32,13 +32,12 @@ from tqdm import tqdm
 from benchmarks.harness.models import tensor_bytes
 from benchmarks.harness.results import (
     RESULTS_DIR,
-    DirtyTree,
     metadata,
     print_report,
-    require_clean_tree,
     save_plot,
     write_results,
 )
+from benchmarks.harness.runner import add_allow_dirty, parse_on_clean_tree
 from minivllm.models.default_model import cache_root, fetch_gguf
 from minivllm.models.gguf_import import UniformQuantization, convert_gguf, load_float_model
 from minivllm.models.loader import load_model
@@ -111,12 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--plot", action="store_true", help="also write quality.png (KL per variant)")
     p.add_argument("--quick", action="store_true", help="two variants, 64 tokens: a smoke test")
-    p.add_argument("--allow-dirty", action="store_true", help="results are then written as <name>-DIRTY.*")
-    args = p.parse_args(argv)
-    try:
-        require_clean_tree(args.allow_dirty)
-    except DirtyTree as e:
-        p.error(str(e))
+    add_allow_dirty(p)
+    args = parse_on_clean_tree(p, argv)
     if args.gguf is None:
         root = cache_root()
         root.mkdir(parents=True, exist_ok=True)
