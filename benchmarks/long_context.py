@@ -33,17 +33,15 @@ import gc
 import importlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
 import mlx.core as mx
 from tqdm import tqdm
 
+from benchmarks.harness.checkouts import checkout
 from benchmarks.harness.prompts import filler_text, load_tokenizer
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
@@ -118,26 +116,6 @@ def import_checkout(root: Path) -> dict:
             del sys.modules[name]
         sys.modules.update(ours)
     return theirs
-
-
-@contextlib.contextmanager
-def checkout(ref: str) -> Iterator[tuple[Path, str]]:
-    """A directory holding ref (a checkout directory, or a commit put in a temporary worktree)."""
-    root, worktree = Path(ref), None
-    if not root.is_dir():
-        worktree = Path(tempfile.mkdtemp(prefix="minivllm-baseline-"))
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(worktree), ref], check=True, capture_output=True
-        )
-        root = worktree
-    commit = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    try:
-        yield root, commit.stdout.strip() or str(root)
-    finally:
-        if worktree is not None:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], capture_output=True)
 
 
 # -- mlx-lm -------------------------------------------------------------------------------------------

@@ -14,15 +14,14 @@ import time
 
 import mlx.core as mx
 import mlx_lm
-from mlx.utils import tree_map
 from mlx_lm.generate import batch_generate, stream_generate
-from mlx_lm.utils import dequantize_model
 from tqdm import tqdm
 
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
 from minivllm import LLM, SamplingParams
 from minivllm.models.backend import detect_backend
+from minivllm.models.loader import dequantize_to_float32
 
 
 def prompt_ids(tokenizer, n: int, seed: int) -> list[int]:
@@ -57,8 +56,7 @@ def minivllm_decode(llm: LLM, prompts: list[list[int]], n: int) -> float:
 def load_mlx_lm(model_dir: str):
     model, tokenizer = mlx_lm.load(model_dir)
     if not detect_backend().is_gpu:  # the same float32 weights minivllm runs on the CPU
-        model = dequantize_model(model)
-        model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+        model = dequantize_to_float32(model)
     return model, tokenizer
 
 

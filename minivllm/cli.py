@@ -53,17 +53,32 @@ def generate_main(argv: list[str]) -> int:
 
 def convert_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="minivllm convert", description="Convert a GGUF file into an MLX model directory."
+        prog="minivllm convert",
+        description="Convert a GGUF file into an MLX model directory. By default the GGUF's quantization is "
+        "carried over (Q8_0/Q5_0/Q4_K/... blocks become MLX affine weights of the same values, per-module "
+        "widths); --bits re-quantizes every matrix to one width instead.",
     )
     p.add_argument("gguf")
     p.add_argument("out_dir")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument(
+        "--bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="re-quantize uniformly to this width (affine)"
+    )
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), help="with --bits (default 64)")
+    p.add_argument(
+        "--scale-dtype",
+        choices=("float16", "float32"),
+        help="with --bits: scales and biases (default float16)",
+    )
     args = p.parse_args(argv)
-    from minivllm.models.gguf_import import GGUFError, convert_gguf
+    from minivllm.models.gguf_import import GGUFError, UniformQuantization, convert_gguf
 
+    if args.bits is None and (args.group_size or args.scale_dtype):
+        p.error("--group-size and --scale-dtype apply to uniform re-quantization: add --bits")
+    uniform = None
+    if args.bits is not None:
+        uniform = UniformQuantization(args.bits, args.group_size or 64, args.scale_dtype or "float16")
     try:
-        out = convert_gguf(args.gguf, args.out_dir, bits=args.bits, group_size=args.group_size)
+        out = convert_gguf(args.gguf, args.out_dir, uniform=uniform)
     except (GGUFError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Greedy reference outputs from mlx-lm itself, for parity tests.
 
-The reference runs the weights as minivllm does on this backend: float32 (dequantized) on the CPU,
-as stored (4-bit stays 4-bit) on a GPU.
+The reference runs the weights as minivllm does on this backend: float32 (dequantized, with the
+product scale * q + bias formed in float32) on the CPU, as stored (quantized stays quantized) on a GPU.
 """
 
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
@@ -9,19 +9,17 @@ import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 # isort: split
 import mlx.core as mx
 import mlx_lm
-from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import dequantize_model
 
 from minivllm.models.backend import detect_backend
+from minivllm.models.loader import dequantize_to_float32
 
 
 class MlxLmReference:
     def __init__(self, model_dir):
         self.model, self.tokenizer = mlx_lm.load(str(model_dir))
         if not detect_backend().is_gpu:
-            self.model = dequantize_model(self.model)
-            self.model.update(tree_map(lambda p: p.astype(mx.float32), self.model.parameters()))
+            self.model = dequantize_to_float32(self.model)
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         return [int(t) for t, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens)]

@@ -165,3 +165,23 @@ def test_cpu_settings_quick_measures_every_setting(tiny_model_dir, tmp_path):
     assert settings == [(1, 64), (1, 128), (2, 64), (2, 128)]
     assert all(v > 0 for vs in data["raw"].values() for v in vs)
     assert cpu_settings.blas_threads() == before  # restored
+
+
+def test_quality_benchmark_on_a_tiny_gguf(tmp_path):
+    """The reference scores itself perfectly; the transcode stays near it; 4-bit drifts further."""
+    from benchmarks import quality
+    from tests.test_gguf_import import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    args = ["--gguf", str(tmp_path / "tiny.gguf"), "--quick", "--plot", "--out", str(tmp_path)]
+    quality.main(args + ["--allow-dirty"])  # a clean tree writes quality-quick.json, else -DIRTY
+    (path,) = tmp_path.glob("quality-quick*.json")
+    data = json.loads(path.read_text())
+    reference, transcode, q4 = data["rows"]
+    assert reference["KL (code / prose)"] == "0 / 0"
+    assert reference["top-1 agreement (code / prose)"] == "100.0% / 100.0%"
+    for text in ("code", "prose"):
+        assert 0 <= data["raw"]["transcode (default)"][text]["kl"] < data["raw"]["4-bit g64"][text]["kl"]
+    assert int(transcode["model MB"]) > int(q4["model MB"])
+    assert data["metadata"]["tokens_per_text"] == {"code": 64, "prose": 64}
+    assert list(tmp_path.glob("quality-quick*.png"))

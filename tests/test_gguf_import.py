@@ -1,4 +1,9 @@
-"""GGUF import and default-model assembly on tiny synthetic GGUF files (offline, no real model)."""
+"""GGUF import and default-model assembly on tiny synthetic GGUF files (offline, no real model).
+
+The tiny GGUF holds one matrix of each block type the transcode handles: legacy types written with
+`gguf.quants.quantize`, K-quants crafted as random blocks (gguf cannot quantize them). What a correct
+import must give back is `gguf.quants.dequantize` of what was written.
+"""
 
 import json
 import zipfile
@@ -6,23 +11,66 @@ from pathlib import Path
 
 import gguf
 import mlx.core as mx
+import mlx.nn
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType, TokenType
 from tokenizers import pre_tokenizers
 
 from minivllm.models import default_model as dm
-from minivllm.models.gguf_import import GGUFError, convert_gguf, llama_permute, llama_unpermute
+from minivllm.models.gguf_import import (
+    GGUFError,
+    UniformQuantization,
+    convert_gguf,
+    llama_permute,
+    llama_unpermute,
+)
 
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 2, 320
+# Rows of 256 (and 512) so that K-quant super-blocks fit every matrix.
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 320
 HEAD_DIM = HIDDEN // HEADS
+Q = GGMLQuantizationType
+# The GGUF type of each matrix (the rest F32); "Q6_K=" is Q6_K whose paired 16-wide sub-blocks share a scale.
+TYPES = {
+    "token_embd.weight": Q.Q5_0,
+    "output.weight": Q.Q8_0,
+    "blk.0.attn_q.weight": Q.Q4_0,
+    "blk.0.attn_k.weight": Q.Q4_1,
+    "blk.0.attn_v.weight": Q.Q5_1,
+    "blk.0.attn_output.weight": Q.F16,
+    "blk.0.ffn_gate.weight": Q.Q4_K,
+    "blk.0.ffn_up.weight": Q.Q5_K,
+    "blk.0.ffn_down.weight": Q.Q6_K,
+    "blk.1.attn_q.weight": Q.Q2_K,
+    "blk.1.attn_k.weight": Q.Q3_K,
+    "blk.1.attn_v.weight": Q.Q8_0,
+    "blk.1.attn_output.weight": Q.Q5_0,
+    "blk.1.ffn_up.weight": "Q6_K=",
+    "blk.1.ffn_down.weight": Q.Q4_K,
+}
+# What the transcode must make of each: (MLX bits, scale dtype, exact). Q2_K, Q3_K and Q6_K have
+# 16-wide sub-blocks with their own scales, so a group of 32 has no exact grid: 8 bits, rounded.
+EXPECTED_FORMAT = {
+    Q.Q8_0: (8, "float16", True),
+    Q.Q4_0: (4, "float16", True),
+    Q.Q4_1: (4, "float16", True),
+    Q.Q5_0: (5, "float16", True),
+    Q.Q5_1: (5, "float16", True),
+    Q.Q4_K: (4, "float32", True),
+    Q.Q5_K: (5, "float32", True),
+    Q.Q6_K: (8, "float32", False),
+    "Q6_K=": (6, "float32", True),
+    Q.Q2_K: (8, "float32", False),
+    Q.Q3_K: (8, "float32", False),
+}
+# Byte offsets of the float16 fields (d, dmin) in K-quant blocks, set to sane values in random blocks.
+K_FLOAT_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MERGES = ["s y", "sy s", "t e", "te m", "sys tem", "h e", "Ġ t", "Ġt he"]
-Q8_TENSORS = {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight"}
 
 
 def tiny_vocab() -> tuple[list[str], list[int]]:
@@ -87,10 +135,25 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{GGUF_BLOCK[rest]}.{suffix}"
 
 
+def quantized_blocks(w: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
+    """GGUF blocks for a matrix: gguf's own quantizer where it has one, random K-quant blocks otherwise."""
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+        return gguf.quants.quantize(w, qtype)
+    k_type = Q.Q6_K if qtype == "Q6_K=" else qtype
+    block, size = gguf.constants.GGML_QUANT_SIZES[k_type]
+    blocks = rng.integers(0, 256, (w.size // block, size), dtype=np.uint8)
+    for offset in K_FLOAT_FIELDS[k_type]:  # d (and dmin): small positive float16 values
+        d = rng.uniform(1e-3, 1e-2, len(blocks)).astype(np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype == "Q6_K=":  # each pair of 16-wide sub-blocks (one MLX group of 32) shares its int8 scale
+        blocks[:, 192:208:2] = blocks[:, 193:208:2]
+    return blocks.reshape(w.shape[0], -1)
+
+
 def write_tiny_gguf(
     path: Path, arch: str = "qwen2", *, drop: str | None = None, extra: str | None = None
 ) -> dict[str, np.ndarray]:
-    """Write a tiny GGUF; return the float weights (after Q8_0 rounding) the import should reproduce."""
+    """Write a tiny GGUF; return the float weights (GGUF's dequantization) the import should reproduce."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(2048)
@@ -112,24 +175,24 @@ def write_tiny_gguf(
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     expected = {}
+    rng = np.random.default_rng(1)
     for hf, w in hf_weights(arch).items():
         name = gguf_name(hf)
         if name == drop:
             continue
-        stored = w
-        if arch == "llama" and ".attn_q." in name:
-            stored = llama_permute(w, HEADS)
-        elif arch == "llama" and ".attn_k." in name:
-            stored = llama_permute(w, KV_HEADS)
-        if name in Q8_TENSORS:
-            q = gguf.quants.quantize(stored, GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_dtype=GGMLQuantizationType.Q8_0)
-            w = gguf.quants.dequantize(q, GGMLQuantizationType.Q8_0)
-            if arch == "llama" and ".attn_q." in name:
-                w = llama_unpermute(w, HEADS)
+        heads = HEADS if ".attn_q." in name else KV_HEADS if ".attn_k." in name else 0
+        if arch == "llama" and heads:
+            w = llama_permute(w, heads)  # as llama.cpp's converter stores Q and K
+        qtype = TYPES.get(name, Q.F32)
+        if qtype in (Q.F32, Q.F16):
+            data = w.astype(np.float16 if qtype == Q.F16 else np.float32)
+            writer.add_tensor(name, data)
+            stored = data.astype(np.float32)
         else:
-            writer.add_tensor(name, stored)
-        expected[hf] = w
+            data = quantized_blocks(w, qtype, rng)
+            writer.add_tensor(name, data, raw_dtype=Q.Q6_K if qtype == "Q6_K=" else qtype)
+            stored = gguf.quants.dequantize(data, Q.Q6_K if qtype == "Q6_K=" else qtype)
+        expected[hf] = llama_unpermute(stored, heads) if arch == "llama" and heads else stored
     if extra:
         writer.add_tensor(extra, np.ones(HIDDEN, np.float32))
     writer.write_header_to_file()
@@ -146,20 +209,57 @@ def converted(tmp_path_factory):
     return convert_gguf(tmp / "tiny.gguf", tmp / "model"), expected
 
 
+def dequantized(saved: dict[str, mx.array], stem: str, bits: int, group_size: int) -> np.ndarray:
+    """MLX's own dequantization of a saved matrix, in float32 (float16 scales would round the result)."""
+    scales, biases = (saved[f"{stem}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+    return np.array(mx.dequantize(saved[f"{stem}.weight"], scales, biases, group_size, bits))
+
+
 def check_roundtrip(
     out_dir: Path, expected: dict[str, np.ndarray], bits: int = 4, group_size: int = 64
 ) -> None:
+    """Uniform re-quantization: every weight within about one quantization step of the GGUF's value."""
     saved = mx.load(str(out_dir / "model.safetensors"))
     for name, ref in expected.items():
         if ref.ndim == 1:
             np.testing.assert_array_equal(np.array(saved[name]), ref, err_msg=name)
             continue
-        stem = name.removesuffix(".weight")
-        w = mx.dequantize(saved[name], saved[f"{stem}.scales"], saved[f"{stem}.biases"], group_size, bits)
+        w = dequantized(saved, name.removesuffix(".weight"), bits, group_size)
         groups = ref.reshape(ref.shape[0], -1, group_size)
         step = (groups.max(-1) - groups.min(-1)) / (2**bits - 1)  # one quantization step per group
-        err = np.abs(np.array(w) - ref).reshape(groups.shape)
-        assert (err <= step[..., None] + 1e-5).all(), name
+        err = np.abs(w - ref).reshape(groups.shape)
+        # slack for float16 scales and biases: their rounding, relative to the group's values
+        rounding = np.abs(groups).max(-1, keepdims=True) * 2**-10
+        assert (err <= step[..., None] * 1.25 + rounding + 1e-6).all(), name
+
+
+def check_transcoded(out_dir: Path, expected: dict[str, np.ndarray]) -> None:
+    """Each matrix in the format its GGUF type maps to, and equal to the GGUF's values where exact."""
+    saved = mx.load(str(out_dir / "model.safetensors"))
+    quantization = json.loads((out_dir / "config.json").read_text())["quantization"]
+    report = {r["name"]: r for r in json.loads((out_dir / "transcode_report.json").read_text())["tensors"]}
+    for name, ref in expected.items():
+        qtype = TYPES.get(gguf_name(name), Q.F32)
+        if qtype in (Q.F32, Q.F16) or ref.ndim == 1:
+            assert saved[name].dtype == (mx.float16 if qtype == Q.F16 else mx.float32), name
+            np.testing.assert_array_equal(np.array(saved[name].astype(mx.float32)), ref, err_msg=name)
+            assert report[name]["max_error"] == 0.0
+            continue
+        bits, scale_dtype, exact = EXPECTED_FORMAT[qtype]
+        if name == "model.embed_tokens.weight":
+            scale_dtype = "float32"  # MLX's quantized embedding returns rows in the scales' dtype
+        stem = name.removesuffix(".weight")
+        assert quantization[stem] == {"group_size": 32, "bits": bits}, name
+        assert saved[f"{stem}.scales"].dtype == getattr(mx, scale_dtype), name
+        err = float(np.abs(dequantized(saved, stem, bits, 32) - ref).max())
+        assert err == report[name]["max_error"], name
+        if exact:
+            np.testing.assert_array_equal(dequantized(saved, stem, bits, 32), ref, err_msg=name)
+        elif exact is False:
+            assert err > 0, name
+        groups = ref.reshape(ref.shape[0], -1, 32)
+        half_step = (groups.max(-1) - groups.min(-1)) / 255 / 2  # of a min-max 8-bit grid
+        assert err <= half_step.max() * 1.001 + 1e-7, name
 
 
 def test_config(converted):
@@ -178,17 +278,22 @@ def test_config(converted):
     assert cfg["eos_token_id"] == tokens.index("<|im_end|>") and cfg["bos_token_id"] == tokens.index(
         "<|endoftext|>"
     )
-    assert cfg["quantization"] == {"group_size": 64, "bits": 4}
+    # per-module entries for the quantized matrices only; the float ones (F16, F32) are not listed
+    modules = {k for k, v in cfg["quantization"].items() if isinstance(v, dict)}
+    assert modules == {gguf_to_hf_stem(n) for n, t in TYPES.items() if t not in (Q.F16, Q.F32)}
+    assert cfg["quantization_config"] == cfg["quantization"]
     assert not list(out_dir.parent.glob(".model.*"))  # no temp dirs left behind
 
 
-def test_weights_roundtrip(converted):
+def gguf_to_hf_stem(name: str) -> str:
+    from minivllm.models.gguf_import import hf_name
+
+    return hf_name(name).removesuffix(".weight")
+
+
+def test_transcode_keeps_every_type_exact_where_mlx_can(converted):
     out_dir, expected = converted
-    saved = mx.load(str(out_dir / "model.safetensors"))
-    assert "model.embed_tokens.scales" in saved and "lm_head.biases" in saved
-    assert saved["model.layers.0.self_attn.q_proj.bias"].dtype == mx.float32
-    assert "model.norm.scales" not in saved
-    check_roundtrip(out_dir, expected)
+    check_transcoded(out_dir, expected)
 
 
 def test_tokenizer(converted):
@@ -210,29 +315,66 @@ def test_tokenizer(converted):
     assert cfg["add_bos_token"] is False and cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
-def test_mlx_lm_load_matches_float_model(converted):
-    """mlx_lm.load reads the directory, and its logits are those of a float model of the same weights.
+def float_reference(out_dir: Path, expected: dict[str, np.ndarray]):
+    """An mlx-lm float32 model holding the GGUF's dequantized weights."""
+    import importlib
 
-    The reference gets the original weights through the same quantize/dequantize round trip, so any
-    difference left would come from a wrong name, shape or layout, not from quantization noise.
+    from mlx.utils import tree_unflatten
+
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg.pop("quantization"), cfg.pop("quantization_config")
+    arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    ref = arch.Model(arch.ModelArgs.from_dict(cfg))
+    ref.update(tree_unflatten([(k, mx.array(v, dtype=mx.float32)) for k, v in expected.items()]))
+    return ref
+
+
+def test_mlx_lm_loads_the_mixed_precision_directory(converted):
+    """mlx_lm.load builds each module at its own width, and its logits are those of the float weights.
+
+    Any difference beyond rounding would come from a wrong name, shape, width or layout.
     """
     import mlx_lm
-    from mlx.utils import tree_unflatten
-    from mlx_lm.models import qwen2
 
     out_dir, expected = converted
     model, tok = mlx_lm.load(str(out_dir))
-    cfg = json.loads((out_dir / "config.json").read_text())
-    cfg.pop("quantization"), cfg.pop("quantization_config")
-    ref = qwen2.Model(qwen2.ModelArgs.from_dict(cfg))
-
-    def roundtrip(w: np.ndarray) -> mx.array:
-        return mx.array(w) if w.ndim == 1 else mx.dequantize(*mx.quantize(mx.array(w), 64, 4), 64, 4)
-
-    ref.update(tree_unflatten([(k, roundtrip(v)) for k, v in expected.items()]))
+    layer = model.model.layers[0]
+    assert (model.model.embed_tokens.bits, model.lm_head.bits, layer.self_attn.q_proj.bits) == (5, 8, 4)
+    assert (layer.mlp.gate_proj.bits, layer.mlp.down_proj.bits, model.model.layers[1].mlp.up_proj.bits) == (
+        4,
+        8,
+        6,
+    )
+    assert isinstance(layer.self_attn.o_proj, mlx.nn.Linear)  # F16 stays a float layer
+    # The reference holds the file's weights dequantized: equal to the GGUF's where exact (checked above),
+    # rounded where not, so what is left is the quantized matmul's arithmetic.
+    saved = mx.load(str(out_dir / "model.safetensors"))
+    quantization = json.loads((out_dir / "config.json").read_text())["quantization"]
+    weights = {
+        name: dequantized(saved, stem, quantization[stem]["bits"], 32) if stem in quantization else ref
+        for name, ref in expected.items()
+        for stem in [name.removesuffix(".weight")]
+    }
     ids = mx.array([tok.encode("the system says hello")])
-    a, b = model(ids), ref(ids)
-    assert mx.allclose(a, b, rtol=1e-3, atol=1e-3 * float(mx.abs(b).max())).item()
+    a, b = model(ids), float_reference(out_dir, weights)(ids)
+    assert mx.allclose(a, b, rtol=1e-4, atol=1e-4 * float(mx.abs(b).max())).item()
+
+
+def test_cpu_loader_gets_the_exact_float_weights(converted):
+    """On the CPU backend minivllm dequantizes at load, in float32: exactly the GGUF's values."""
+    from mlx.utils import tree_flatten
+
+    from minivllm.models.backend import Backend
+    from minivllm.models.loader import load_model
+
+    out_dir, expected = converted
+    model, _, config = load_model(str(out_dir), backend=Backend("cpu", "test"))
+    params = dict(tree_flatten(model.parameters()))
+    report = {r["name"]: r for r in json.loads((out_dir / "transcode_report.json").read_text())["tensors"]}
+    for name, ref in expected.items():
+        assert params[name].dtype == mx.float32, name
+        err = float(np.abs(np.array(params[name]) - ref).max())
+        assert err == report[name]["max_error"], name  # 0.0 for every exact tensor
 
 
 def test_llama_unpermute_inverts_permute():
@@ -245,20 +387,62 @@ def test_llama_unpermute_inverts_permute():
 
 
 def test_llama_import_unpermutes_qk(tmp_path):
+    """Q and K come back in HF order, not llama.cpp's: as rows of quantized blocks, and after requantizing."""
     expected = write_tiny_gguf(tmp_path / "llama.gguf", arch="llama")
-    out_dir = convert_gguf(tmp_path / "llama.gguf", tmp_path / "model", bits=8, group_size=32)
+    out_dir = convert_gguf(tmp_path / "llama.gguf", tmp_path / "model")
+    assert json.loads((out_dir / "config.json").read_text())["model_type"] == "llama"
+    check_transcoded(out_dir, expected)
+    out_dir = convert_gguf(tmp_path / "llama.gguf", tmp_path / "q8", uniform=UniformQuantization(8, 32))
+    assert json.loads((out_dir / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 8}
+    check_roundtrip(out_dir, expected, bits=8, group_size=32)
+
+
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+def test_uniform_requantization(tmp_path, scale_dtype):
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf")
+    out_dir = convert_gguf(
+        tmp_path / "tiny.gguf", tmp_path / "q4", uniform=UniformQuantization(4, 64, scale_dtype)
+    )
     cfg = json.loads((out_dir / "config.json").read_text())
-    assert cfg["model_type"] == "llama" and cfg["quantization"] == {"group_size": 32, "bits": 8}
-    check_roundtrip(
-        out_dir, expected, bits=8, group_size=32
-    )  # Q and K come back in HF order, not llama.cpp's
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4}
+    saved = mx.load(str(out_dir / "model.safetensors"))
+    assert saved["lm_head.scales"].dtype == saved["lm_head.biases"].dtype == getattr(mx, scale_dtype)
+    assert saved["model.layers.0.self_attn.q_proj.bias"].dtype == mx.float32
+    assert "model.norm.scales" not in saved and not (out_dir / "transcode_report.json").exists()
+    check_roundtrip(out_dir, expected)
+
+
+def test_uniform_quantization_rejects_formats_mlx_lacks():
+    with pytest.raises(GGUFError, match="7-bit"):
+        UniformQuantization(7, 64)
+    with pytest.raises(GGUFError, match="group 48"):
+        UniformQuantization(4, 48)
+    with pytest.raises(GGUFError, match="bfloat16"):
+        UniformQuantization(4, 64, "bfloat16")
+
+
+def test_a_wrong_transcode_fails_loudly(tmp_path, monkeypatch):
+    """Verification at conversion time: a decoder slip (here Q5_0's bias off by one step) stops the import."""
+    from minivllm.models import gguf_transcode as gt
+
+    bits, decode = gt.EXACT_DECODERS[Q.Q5_0]
+
+    def off_by_one_step(blocks):
+        q, scales, biases = decode(blocks)
+        return q, scales, biases + scales
+
+    monkeypatch.setitem(gt.EXACT_DECODERS, Q.Q5_0, (bits, off_by_one_step))
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(gt.TranscodeError, match="Q5_0 -> 5-bit MLX weights are not equal"):
+        convert_gguf(tmp_path / "tiny.gguf", tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]  # nothing half-written left
 
 
 def test_convert_replaces_existing_dir(tmp_path):
     out = tmp_path / "model"
     (out / "stale").mkdir(parents=True)
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    convert_gguf(tmp_path / "tiny.gguf", out)
+    convert_gguf(tmp_path / "tiny.gguf", out, uniform=UniformQuantization())
     assert not (out / "stale").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "tiny.gguf"]
 

@@ -37,30 +37,45 @@ def is_quantized(model_dir: Path) -> bool:
     return "quantization" in cfg or "quantization_config" in cfg
 
 
-def _safetensors_dtypes(model_dir: Path) -> dict[str, int]:
-    # Read only the JSON headers: the dtype census of a 2 GB model costs microseconds.
-    counts: dict[str, int] = {}
+def _safetensors_header(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {dtype, shape, data_offsets}, from the JSON headers only (microseconds for 2 GB)."""
+    tensors: dict[str, dict[str, Any]] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                counts[info["dtype"]] = counts.get(info["dtype"], 0) + 1
+        tensors.update((name, info) for name, info in header.items() if name != "__metadata__")
+    return tensors
+
+
+def _safetensors_dtypes(model_dir: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for info in _safetensors_header(model_dir).values():
+        counts[info["dtype"]] = counts.get(info["dtype"], 0) + 1
     return counts
 
 
+def tensor_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes of each stored tensor (packed weights, scales and biases count separately)."""
+    return {
+        name: end - start
+        for name, (start, end) in ((n, i["data_offsets"]) for n, i in _safetensors_header(model_dir).items())
+    }
+
+
 def model_dtype(model_dir: Path) -> str:
-    q = _config(model_dir).get("quantization")
+    from minivllm.models.loader import describe_quantization
+
+    quantization = describe_quantization(_config(model_dir))
     dtypes = "+".join(sorted(_safetensors_dtypes(model_dir))) or "?"
-    return f"{q.get('bits')}-bit (group {q.get('group_size')}), tensors {dtypes}" if q else dtypes
+    return f"{quantization}, tensors {dtypes}" if quantization else dtypes
 
 
 def float32_copy(model_dir: Path) -> Path:
     """A dequantized float32 copy of model_dir, written once as `<dir>-float32` and reused."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm.utils import dequantize_model, load_model, save_config, save_model
+    from mlx_lm.utils import load_model, save_config, save_model
+
+    from minivllm.models.loader import dequantize_to_float32
 
     model_dir = Path(model_dir).resolve()
     dst = model_dir.with_name(model_dir.name + "-float32")
@@ -69,8 +84,7 @@ def float32_copy(model_dir: Path) -> Path:
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model, config = load_model(model_dir)
-    model = dequantize_model(model)
-    model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+    model = dequantize_to_float32(model)
     save_model(tmp, model)
     for key in ("quantization", "quantization_config"):
         config.pop(key, None)

@@ -168,9 +168,15 @@ def _meta_line(v: Any) -> str:
 
 
 def save_plot(
-    name: str, groups: list[str], series: dict[str, list[float]], ylabel: str, *, out_dir: Path = RESULTS_DIR
+    name: str,
+    groups: list[str],
+    series: dict[str, list[float]],
+    ylabel: str,
+    *,
+    out_dir: Path = RESULTS_DIR,
+    log_y: bool = False,
 ) -> Path:
-    """A grouped bar chart, <name>.png."""
+    """A grouped bar chart, <name>.png (log_y: a logarithmic value axis, for values spanning decades)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,6 +188,8 @@ def save_plot(
         ax.bar([g + i * width for g in range(len(groups))], values, width, label=label)
     ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
     ax.set_ylabel(ylabel)
+    if log_y:
+        ax.set_yscale("log")
     ax.set_title(name)
     ax.legend()
     fig.tight_layout()

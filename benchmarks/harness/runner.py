@@ -49,20 +49,30 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         help="server to measure; mlx-lm ignores the MINIVLLM_* configurations (useful to smoke-test the script)",
     )
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra MINIVLLM_* setting")
+    add_allow_dirty(p)
+    return p
+
+
+def add_allow_dirty(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-dirty",
         action="store_true",
         help="run from a tree with uncommitted changes; results are written as <name>-DIRTY.*, not to be quoted",
     )
-    return p
 
 
-def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_on_clean_tree(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse, then refuse a dirty tree (unless --allow-dirty) before any measuring starts."""
     args = p.parse_args(argv)
     try:
         require_clean_tree(args.allow_dirty)
     except DirtyTree as e:
         p.error(str(e))
+    return args
+
+
+def parse_args(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    args = parse_on_clean_tree(p, argv)
     if args.quick:
         args.runs = 1
     args.model = resolve_model(args.model)

@@ -32,6 +32,7 @@ class ServerSpec:
     startup_timeout_s: float = 900.0  # the real model on CPU dequantizes at load
     replicas: int | None = None  # minivllm only: `minivllm serve --replicas N` on a local Ray Serve
     routing: str = "affinity"  # with replicas: affinity | round-robin | least-loaded
+    root: Path = REPO_ROOT  # the checkout whose minivllm server runs (another one: a baseline)
 
 
 @dataclass
@@ -76,6 +77,7 @@ def _server_command(spec: ServerSpec, model: Path, port: int) -> tuple[list[str]
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if spec.name == "minivllm":
         env.update({"MINIVLLM_MODEL": str(model), **spec.env})
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(spec.root), env.get("PYTHONPATH", "")) if p)
         if spec.replicas is not None:
             replicas = ["--replicas", str(spec.replicas), "--routing", spec.routing]
             return [sys.executable, "-m", "server.cli", "serve", *host, *replicas], env
@@ -149,7 +151,7 @@ def running_server(spec: ServerSpec) -> Iterator[Server]:
         log.flush()
         # New session: a Ctrl-C in the terminal reaches only us; we stop the server ourselves.
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=spec.root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             _wait_healthy(proc, health, log_path, spec.startup_timeout_s)

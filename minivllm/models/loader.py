@@ -2,8 +2,8 @@
 
 A reference is a local mlx-lm directory, a `.gguf` file (converted once into the cache), a Hugging Face
 repo id (downloaded by mlx-lm's hub client), or None for the offline default model. On the CPU backend
-weights are dequantized to float32 at load: MLX's CPU 4-bit kernels are unusable and float32 goes through
-OpenBLAS. GPU backends keep 4-bit weights.
+quantized weights are dequantized to float32 at load: MLX's CPU quantized kernels are unusable and float32
+goes through OpenBLAS. GPU backends keep the quantized weights.
 """
 
 import hashlib
@@ -14,11 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx.utils import tree_map
+import numpy as np
+from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import dequantize_model
 
 from minivllm.models.backend import Backend, detect_backend
+from minivllm.models.gguf_transcode import unpack_levels
 from minivllm.models.qwen2 import check_supported
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,17 @@ def resolve_model(ref: str | None) -> str:
     return ref
 
 
+# Part of the cache key of converted .gguf files: bump it when the conversion's output changes.
+GGUF_CONVERSION = "transcode-v1"
+
+
 def _converted_gguf(path: Path) -> Path:
     from minivllm.models.default_model import file_lock, remove_stale_dirs
     from minivllm.models.gguf_import import conversion_temp_prefixes, convert_gguf
 
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CONVERSION}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
     out = cache_dir() / "gguf" / f"{path.stem}-{key}"
     with file_lock(out.parent / f".{out.name}.lock"):  # one conversion at a time; leftovers are then stale
         remove_stale_dirs(out.parent, conversion_temp_prefixes(out))
@@ -73,17 +79,15 @@ def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Modu
     except Exception as e:  # mlx-lm raises assorted errors for hub failures and bad directories
         raise ValueError(f"cannot load model {ref!r} ({resolved}): {e}") from e
     check_supported(model)
-    quantized = "quantization" in config or "quantization_config" in config
+    quantization = describe_quantization(config)
     if not backend.is_gpu:
-        if quantized:
-            model = dequantize_model(model)
-        model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
+        model = dequantize_to_float32(model)
     mx.eval(model.parameters())
     dtype = activation_dtype(model)
-    bits = f"4-bit ({dtype} activations)" if quantized and backend.is_gpu else str(dtype)
-    logger.info("model %s: backend %s, weights %s, BLAS %s", resolved, backend.name, bits, backend.blas)
+    weights = f"{quantization} ({dtype} activations)" if quantization and backend.is_gpu else str(dtype)
+    logger.info("model %s: backend %s, weights %s, BLAS %s", resolved, backend.name, weights, backend.blas)
     config["_resolved_path"] = resolved
-    config["_weights"] = bits
+    config["_weights"] = weights
     return model, tokenizer, config
 
 
@@ -101,6 +105,61 @@ def load_tokenizer(ref: str | None) -> TokenizerWrapper:
         return mlx_lm.utils.load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # hub failures, bad directories
         raise ValueError(f"cannot load the tokenizer of {ref!r} ({resolved}): {e}") from e
+
+
+def describe_quantization(config: dict) -> str:
+    """ "4-bit g64", "mixed 4/5/8-bit g32" (per-module widths), or "" for a float model."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if not q:
+        return ""
+    modules = [v for v in q.values() if isinstance(v, dict)] or [q]
+    bits = "/".join(str(b) for b in sorted({m.get("bits") for m in modules}, key=str))
+    groups = "/".join(str(g) for g in sorted({m.get("group_size") for m in modules}, key=str))
+    return f"{'mixed ' if '/' in bits else ''}{bits}-bit g{groups}"
+
+
+def dequantize_to_float32(model: nn.Module) -> nn.Module:
+    """Quantized layers become float32 Linear / Embedding layers; every other parameter becomes float32.
+
+    The product scale * q + bias is formed in float32 whatever the scales' dtype (float16 scales would
+    otherwise round each weight to float16), so transcoded GGUF weights keep their exact values. Affine
+    levels are unpacked with numpy (MLX's CPU kernel is several times slower at 5 bits); other formats
+    (mxfp4, ...) go through mx.dequantize.
+    """
+    floating = (mx.float16, mx.bfloat16, mx.float32)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in floating else p, model.parameters()))
+    replaced = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            weight = _float_weight(module)
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                layer.bias = module.bias
+        elif isinstance(module, nn.QuantizedEmbedding):
+            weight = _float_weight(module)
+            layer = nn.Embedding(*weight.shape)
+        else:
+            continue
+        layer.weight = weight
+        replaced.append((name, layer))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return model
+
+
+def _float_weight(module: nn.Module) -> mx.array:
+    if module.mode == "affine":  # numpy unpacks the levels; MLX forms scale * q + bias, as mx.dequantize does
+        levels = mx.array(unpack_levels(np.array(module.weight), module.bits))
+        rows, cols = levels.shape
+        groups = levels.reshape(rows, -1, module.group_size).astype(mx.float32)
+        weight = (groups * module.scales[..., None] + module.biases[..., None]).reshape(rows, cols)
+    else:
+        biases = module.get("biases")
+        weight = mx.dequantize(
+            module.weight, module.scales, biases, module.group_size, module.bits, module.mode
+        )
+    mx.eval(weight)  # one matrix at a time: the temporaries stay one matrix big
+    return weight
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
