@@ -5,7 +5,7 @@ Writes benchmarks/results/replay_replicas.{json,md}. The acceptance check of the
 of 2,500 blocks vs one of 10,000): affinity >= 0.9x the single cache, >= 1.5x round-robin, max/mean load
 <= 1.3.
 
-    python -m benchmarks.replay_replicas [--traces-dir ../shared/traces] [--policies lru,s3fifo]
+    python -m benchmarks.replay_replicas [--traces-dir ../shared/traces] [--policies adaptive,lru,s3fifo]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces-dir", type=Path, default=REPO.parent / "shared" / "traces")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
-    p.add_argument("--policies", default="lru,s3fifo", help="comma list of eviction policies")
+    p.add_argument("--policies", default="adaptive,lru,s3fifo", help="comma list of eviction policies")
     p.add_argument("--allow-dirty", action="store_true", help="run from uncommitted code; writes *-DIRTY.*")
     args = p.parse_args(argv)
     try:
