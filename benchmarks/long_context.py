@@ -42,6 +42,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from benchmarks.harness.checkouts import checkout
+from benchmarks.harness.engine_timing import decode_rate
 from benchmarks.harness.prompts import filler_text, load_tokenizer
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
@@ -82,12 +83,7 @@ class Minivllm:
         engine = self.llm.engine
         params = self.SamplingParams(max_tokens=self.n + 1, ignore_eos=True)
         seqs = [engine.add_request(f"d{time.monotonic_ns()}-{i}", prompt, params) for i in range(batch)]
-        while any(not s.output_token_ids for s in seqs):
-            engine.step()
-        start, done = time.perf_counter(), sum(len(s.output_token_ids) for s in seqs)
-        while engine.has_unfinished_requests():
-            engine.step()
-        return (sum(len(s.output_token_ids) for s in seqs) - done) / (time.perf_counter() - start)
+        return decode_rate(engine, seqs)
 
 
 def this_checkout() -> dict:

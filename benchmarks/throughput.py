@@ -17,6 +17,7 @@ import mlx_lm
 from mlx_lm.generate import batch_generate, stream_generate
 from tqdm import tqdm
 
+from benchmarks.harness.engine_timing import decode_rate
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
 from minivllm import LLM, SamplingParams
@@ -39,17 +40,9 @@ def minivllm_prefill(llm: LLM, prompt: list[int]) -> float:
 
 def minivllm_decode(llm: LLM, prompts: list[list[int]], n: int) -> float:
     """Aggregate decode tok/s once every request has its first token (prefill excluded)."""
-    engine = llm.engine
-    seqs = [
-        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
-    while any(not s.output_token_ids for s in seqs):
-        engine.step()
-    start, done = time.perf_counter(), sum(len(s.output_token_ids) for s in seqs)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return (sum(len(s.output_token_ids) for s in seqs) - done) / (time.perf_counter() - start)
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    seqs = [llm.engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params) for i, p in enumerate(prompts)]
+    return decode_rate(llm.engine, seqs)
 
 
 # -- mlx-lm -----------------------------------------------------------------------------------------------
