@@ -2,6 +2,7 @@
 512-, 4k- and 16k-token prompts; minivllm against mlx-lm, and optionally against another minivllm checkout.
 
     python -m benchmarks.long_context [--model DIR] [--runs 3] [--quick] [--baseline COMMIT_OR_DIR]
+        [--contexts 1024,16384] [--prefill 512] [--batch 1]  (a subset: its own file, long_context-b1)
 
 All engines live in this process and share one copy of the weights (float32 on the CPU backend, as both
 engines run them there), and every measurement is taken for each engine in turn before the next one, so
@@ -201,6 +202,7 @@ def make_plan(args: argparse.Namespace, tokenizer) -> dict:
     contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else contexts
     prefill = [int(x) for x in args.prefill.split(",")] if args.prefill else prefill
     n = args.decode_tokens or n
+    batch = [int(x) for x in args.batch.split(",")] if args.batch else batch
 
     def prompt(length: int, seed: int) -> list[int]:
         ids = tokenizer.encode(filler_text(seed, length * 8))
@@ -253,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", help="decode context lengths, comma-separated (default 1024,4096,16384)")
     p.add_argument("--prefill", help="fresh prompt lengths for prefill, comma-separated (default 512,4096)")
     p.add_argument("--decode-tokens", type=int, help="decode tokens per measurement (default 32)")
+    p.add_argument("--batch", help="decode batch sizes, comma-separated (default 1,8)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only minivllm (and the baseline)")
     args = parse_args(p, argv)
     plan = make_plan(args, load_tokenizer(args.model))
@@ -285,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         "the rest is the mean ± sd of the runs. minivllm's concurrent requests share the context's pages "
         "(prefix cache); mlx-lm's batch holds one copy of the context per row."
     )
-    paths = write_results(result_name("long_context", args), rows_of(rates, baseline), meta, raw=rates,
+    # a run of some batch sizes only gets its own file: it must not replace the full table
+    name = result_name("long_context", args) + "".join(f"-b{b}" for b in plan["batch"] if args.batch)
+    paths = write_results(name, rows_of(rates, baseline), meta, raw=rates,
                           notes=notes, out_dir=args.out, allow_dirty=args.allow_dirty)  # fmt: skip
     print_report(paths)
 

@@ -151,6 +151,16 @@ def test_long_context_quick_compares_engines_in_one_process(tiny_model_dir, tmp_
     assert all(row["minivllm / baseline"].endswith("x") for row in data["rows"])
 
 
+def test_long_context_batch_subset_gets_its_own_file(tiny_model_dir, tmp_path):
+    from benchmarks import long_context
+
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--skip-mlx-lm"]
+    long_context.main(args + ["--batch", "1", "--contexts", "128", "--prefill", "64", "--allow-dirty"])
+    (path,) = tmp_path.glob("long_context-quick-b1*.json")
+    metrics = [row["metric"] for row in json.loads(path.read_text())["rows"]]
+    assert metrics == ["prefill 128 (tok/s)", "prefill 64 (tok/s)", "decode b1 ctx 128 (tok/s)"]
+
+
 def test_cpu_settings_quick_measures_every_setting(tiny_model_dir, tmp_path):
     from benchmarks import cpu_settings
 
