@@ -1,4 +1,4 @@
-"""CPU defaults: OpenBLAS threads and the prefill chunk (max_num_batched_tokens), measured setting by setting.
+"""CPU defaults: OpenBLAS threads, the prefill chunk (max_num_batched_tokens) and overlap, measured setting by setting.
 
     python -m benchmarks.cpu_settings [--model DIR] [--runs 3] [--quick] [--threads 1,2] [--chunks 256,512,1024,2048]
 
@@ -7,13 +7,15 @@ chunk through the engine's config, which the scheduler reads every step), and ev
 of them in turn (in reversed order every other run), so a busy machine slows them alike. Per setting:
 prefill tok/s of a fresh prompt longer than any chunk; the gap between a decoding request's tokens while
 that prompt is prefilled beside it (the price of a large chunk); decode tok/s at batch 1 and 8 per
-thread count (the chunk does not matter there).
+thread count (the chunk does not matter there), with overlap (step n+1 queued before step n is read
+back) on and off.
 """
 
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 
 # isort: split
 import ctypes
+import itertools
 import time
 
 from tqdm import tqdm
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = [(t, c) for t in threads for c in chunks]
     raw: dict[str, list[float]] = {}
     probe.decode(1)  # warm-up
-    default_threads = blas_threads()
+    default_threads, default_overlap = blas_threads(), llm.engine.overlap
     try:
         for run in tqdm(range(args.runs), desc="runs"):
             for t, c in settings[:: -1 if run % 2 else 1]:
@@ -100,8 +102,10 @@ def main(argv: list[str] | None = None) -> None:
                 raw.setdefault(f"prefill {t} {c}", []).append(rate)
                 raw.setdefault(f"gap {t} {c}", []).append(gap)
                 if c == chunks[0]:
-                    for b in (1, 8):
-                        raw.setdefault(f"decode{b} {t}", []).append(probe.decode(b))
+                    for b, overlap in itertools.product((1, 8), (True, False)):
+                        llm.engine.overlap = overlap
+                        raw.setdefault(f"decode{b} {t} {overlap}", []).append(probe.decode(b))
+                    llm.engine.overlap = default_overlap  # prefill gaps are measured at the default
     finally:
         blas_threads(default_threads)
     rows = []
@@ -110,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         for label, key in (("prefill tok/s", f"prefill {t} {c}"), ("longest decode gap ms", f"gap {t} {c}")):
             m, s = mean_sd(raw[key])
             row[label] = f"{m:.1f} ± {s:.1f}"
-        for b in (1, 8):
-            m, s = mean_sd(raw[f"decode{b} {t}"])
-            row[f"decode b{b} tok/s"] = f"{m:.2f} ± {s:.2f}"
+        for b, overlap in itertools.product((1, 8), (True, False)):
+            m, s = mean_sd(raw[f"decode{b} {t} {overlap}"])
+            row[f"decode b{b} tok/s" + ("" if overlap else ", no overlap")] = f"{m:.2f} ± {s:.2f}"
         rows.append(row)
     meta = metadata(args.model, page_size=16, backend=detect_backend().name, blas=detect_backend().blas,
                     runs=args.runs, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,

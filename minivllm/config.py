@@ -22,6 +22,9 @@ class EngineConfig:
     eviction: str = DEFAULT_EVICTION
     publication: str = "incremental"
     single_flight: str = "after_prefill"
+    # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend
+    # only (on a CPU the host's share of a step is small, and a request arriving meanwhile waits one step more)
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -32,6 +32,11 @@ _COUNTERS = (
     ),
     ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
     ("minivllm_engine_steps", "Engine steps", "steps"),
+    (
+        "minivllm_engine_steps_ahead",
+        "Engine steps built and queued while the previous step still ran (overlap)",
+        "steps_ahead",
+    ),
     ("minivllm_grammar_masks", "Token masks computed for structured output", "grammar_masks"),
     (
         "minivllm_grammar_mask_seconds",

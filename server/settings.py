@@ -151,6 +151,13 @@ OPTIONS: tuple[Option, ...] = (
         "coalesce concurrent identical prefixes (default: after_prefill, or off without the prefix cache)",
         "single_flight",
     ),
+    _engine(
+        "overlap",
+        "MINIVLLM_OVERLAP",
+        bool | None,
+        _parse_bool,
+        "build and queue the next decode step while the current one runs (default: on a GPU backend only)",
+    ),
     Option(
         "max_request_bytes",
         "MINIVLLM_MAX_REQUEST_BYTES",

@@ -368,6 +368,39 @@ MUTATIONS = [
         "        if False:\n            extend_page_hashes",
         ("tests/test_cluster.py", "-k", "turn or burst"),
     ),
+    # -- overlap: step n+1 queued before step n is read back -------------------------------------------------
+    Mutation(
+        "ahead-draw-ignores-position",
+        "a step built ahead draws with the key of the previous output position",
+        "minivllm/engine/sampler.py",
+        "len(s.token_ids) + ahead) % (1 << 63)",
+        "len(s.token_ids)) % (1 << 63)",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
+        "ahead-delivers-dropped-tokens",
+        "a token computed ahead for a request that ended meanwhile is delivered",
+        "minivllm/engine/llm_engine.py",
+        "if out.token is not None and taken:",
+        "if out.token is not None:",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
+        "ahead-ignores-waiting",
+        "steps keep being built ahead while requests wait to be admitted",
+        SCHEDULER,
+        "if self.waiting or len(live) != len(self.running):",
+        "if len(live) != len(self.running):",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
+        "ahead-at-the-old-position",
+        "a step built ahead runs its token at the previous step's position",
+        "minivllm/engine/model_runner.py",
+        "computed, ahead = [s.num_computed_tokens + previous[id(s)] for s in seqs], 1",
+        "computed, ahead = [s.num_computed_tokens + 0 * previous[id(s)] for s in seqs], 1",
+        ("tests/test_overlap.py",),
+    ),
 ]
 
 

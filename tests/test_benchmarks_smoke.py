@@ -173,6 +173,9 @@ def test_cpu_settings_quick_measures_every_setting(tiny_model_dir, tmp_path):
     data = json.loads(path.read_text())
     settings = [(row["OpenBLAS threads"], row["max_num_batched_tokens"]) for row in data["rows"]]
     assert settings == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    assert {"decode b1 tok/s", "decode b1 tok/s, no overlap", "decode b8 tok/s, no overlap"} <= set(
+        data["rows"][0]
+    )
     assert all(v > 0 for vs in data["raw"].values() for v in vs)
     assert cpu_settings.blas_threads() == before  # restored
 

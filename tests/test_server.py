@@ -314,7 +314,7 @@ def test_engine_error_is_500_and_server_survives(server, client, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated step failure")
 
-    monkeypatch.setattr(server.engine.runner, "step", broken)
+    monkeypatch.setattr(server.engine.runner, "launch", broken)
     r = _post(server, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
     assert "simulated step failure" in assert_error(r, 500)["message"]
     with httpx.stream(

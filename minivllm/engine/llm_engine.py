@@ -15,7 +15,7 @@ from minivllm.cache.eviction import make_policy
 from minivllm.cache.page_pool import PagePool, PoolCounters
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
-from minivllm.engine.model_runner import KVGeometry, ModelRunner
+from minivllm.engine.model_runner import KVGeometry, LaunchedStep, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, TokenLogprob
@@ -52,6 +52,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.backend = detect_backend()
+        self.overlap = config.overlap if config.overlap is not None else self.backend.is_gpu
         self.model, self.tokenizer, self.model_config = load_model(config.model, self.backend)
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
@@ -67,7 +68,9 @@ class LLMEngine:
         # tokenizer._tokenizer: the Hugging Face tokenizer inside mlx-lm's wrapper
         self.grammars = GrammarCompiler(self.tokenizer._tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
+        self.in_flight: LaunchedStep | None = None  # queued on the device, completed by the next step()
         self.num_steps = 0
+        self.num_steps_ahead = 0  # steps launched before the previous one was read back
         logger.info(
             "KV pool: %d pages of %d tokens (%.1f MiB, %s); prefix cache %s, eviction %s, publication %s, single flight %s",
             num_pages,
@@ -163,20 +166,35 @@ class LLMEngine:
 
     # -- stepping -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, record what it computed. A fault anywhere in it fails the requests of
-        the step (every request, if it faulted before it had any) and the engine goes on."""
+        """Schedule, run the model, record what it computed; the outputs of one step. With overlap on, the
+        next step is built and queued before this one's tokens are read back, when the scheduler can
+        choose it without them (Scheduler.schedule_ahead); the next call completes it. A fault anywhere
+        fails the requests of the steps involved (every request, if it faulted before it had any) and
+        the engine goes on."""
         outputs: dict[str, RequestOutput] = {}
-        self.scheduler.step_seqs = []  # schedule() fills it: the requests a fault in this step fails
+        step, self.in_flight = self.in_flight, None
+        # schedule() fills it: the requests a fault in this step fails
+        self.scheduler.step_seqs = list(step.seqs) if step else []
         try:
-            seqs, num_tokens = self.scheduler.schedule()
-            if seqs:
-                step_outputs = self.runner.step(seqs, num_tokens)
-                self.num_steps += 1
-                self.scheduler.postprocess(seqs, num_tokens, step_outputs)
-                for seq, out in zip(seqs, step_outputs):
-                    if out.token is not None:
-                        logprobs = [out.logprob] if out.logprob else []
-                        outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
+            if step is None:
+                seqs, num_tokens = self.scheduler.schedule()
+                step = self.runner.launch(seqs, num_tokens) if seqs else None
+            if step is None:
+                return self._collect(outputs)
+            if self.overlap:
+                ahead = self.scheduler.schedule_ahead(step.seqs, step.num_tokens)
+                if ahead:
+                    self.in_flight = self.runner.launch(ahead, [1] * len(ahead), after=step)
+                    self.num_steps_ahead += 1
+            step_outputs = self.runner.collect(step)
+            self.num_steps += 1
+            # a request that ended while its step was in flight (aborted, or by its previous token): dropped
+            live = [not seq.is_finished for seq in step.seqs]
+            self.scheduler.postprocess(step.seqs, step.num_tokens, step_outputs)
+            for seq, out, taken in zip(step.seqs, step_outputs, live):
+                if out.token is not None and taken:
+                    logprobs = [out.logprob] if out.logprob else []
+                    outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
             return self._collect(outputs)
         except Exception as e:
             failed = self.scheduler.step_seqs or list(self.requests.values())
@@ -188,6 +206,7 @@ class LLMEngine:
         bookkeeping or the KV pools half-updated (MLX is lazy: a broken graph may sit in them), so the
         other running requests are requeued to recompute, and the pool and the KV start afresh."""
         detail = f"{type(error).__name__}: {error}"
+        self.in_flight = None  # its graph writes into the KV pools dropped below
         for seq in seqs:
             seq.page_table = []  # the pool is rebuilt below: nothing is released through it
             seq.finish_detail = detail
@@ -265,6 +284,7 @@ class LLMEngine:
             "pages_unreachable": p.pages_unreachable,
             "pages_restored": p.pages_restored,
             "steps": self.num_steps,
+            "steps_ahead": self.num_steps_ahead,
             "grammar_masks": self.mask_counters.masks,
             "grammar_mask_seconds": self.mask_counters.seconds,
         }

@@ -1,7 +1,11 @@
-"""Runs one engine step: builds the flat ragged batch, runs the model, samples, evaluates once."""
+"""Runs one engine step: builds the flat ragged batch, runs the model, samples, evaluates once.
+
+`launch` queues the step on the device, `collect` reads it back: between the two, the engine may build
+the next step (LLMEngine.step).
+"""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +36,18 @@ class KVGeometry:
         attn = model.model.layers[0].self_attn
         head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // attn.n_heads
         return cls(len(model.model.layers), attn.n_kv_heads, head_dim, dtype)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose graph is queued on the device; the host reads its results back in collect."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    sampling: list[int]  # the rows of seqs that sample a token this step
+    tokens: mx.array | None = None  # [len(sampling)], lazy until collected; None: nobody samples
+    extra: tuple = ()  # the log-probability arrays of the rows in `want`
+    want: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,50 +82,64 @@ class ModelRunner:
         )
         mx.eval(self.kv.keys, self.kv.values)
 
-    def step(self, seqs: list[Sequence], num_tokens: list[int]) -> list[StepOutput]:
-        input_ids = []
-        for seq, n in zip(seqs, num_tokens):
-            input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        layout = build_layout(
-            [s.page_table for s in seqs], [s.num_computed_tokens for s in seqs], num_tokens, self.page_size
-        )
+    def launch(
+        self, seqs: list[Sequence], num_tokens: list[int], after: "LaunchedStep | None" = None
+    ) -> "LaunchedStep":
+        """Build the step's graph and queue it (mx.async_eval); `collect` reads its results back.
+
+        after: the step still running before this one. Every seq is then one decode token past it: its
+        input is the token `after` samples for it, taken on the device (not read back), at the position
+        after `after`'s tokens. So the host builds step n+1 while the device runs step n, as mlx-lm does."""
+        if after is None:
+            input_ids = []
+            for seq, n in zip(seqs, num_tokens):
+                input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+            inputs, computed, ahead = mx.array(input_ids), [s.num_computed_tokens for s in seqs], 0
+        else:
+            row_of = {id(after.seqs[i]): row for row, i in enumerate(after.sampling)}
+            inputs = after.tokens[mx.array([row_of[id(s)] for s in seqs])]
+            previous = dict(zip(map(id, after.seqs), after.num_tokens))
+            computed, ahead = [s.num_computed_tokens + previous[id(s)] for s in seqs], 1
+        layout = build_layout([s.page_table for s in seqs], computed, num_tokens, self.page_size)
         # only sequences whose chunk reaches their last token produce a new token this step
         sampling = [
             i
-            for i, (s, n) in enumerate(zip(seqs, num_tokens))
-            if s.num_computed_tokens + n == len(s.token_ids)
+            for i, (s, c, n) in enumerate(zip(seqs, computed, num_tokens))
+            if c + n == len(s.token_ids) + ahead
         ]
+        step = LaunchedStep(seqs, num_tokens, sampling)
         ends = np.cumsum(num_tokens) - 1
-        outputs = [StepOutput(None) for _ in seqs]
+        # without a sampling sequence the graph still has to write the KV: logits of token 0, unused
+        logits_index = mx.array(ends[sampling].astype(np.int32) if sampling else [0], dtype=mx.int32)
+        logits = forward(self.model, inputs, self.kv, layout, logits_index)
         if not sampling:
-            logits_index = mx.array([0], dtype=mx.int32)  # the graph still has to write the KV
-        else:
-            logits_index = mx.array(ends[sampling].astype(np.int32))
-        logits = forward(
-            self.model,
-            mx.array(input_ids),
-            self.kv,
-            layout,
-            logits_index,
-        )
-        if not sampling:
-            mx.eval(self.kv.keys, self.kv.values)
-            return outputs
+            mx.async_eval(self.kv.keys, self.kv.values)
+            return step
         chosen = [seqs[i] for i in sampling]
         # grammar masks depend only on tokens already accepted: computed on the host while the graph
         # is still lazy, so the step keeps its single evaluation
         constrained = [row for row, s in enumerate(chosen) if s.matcher is not None]
+        assert not (constrained and ahead), "a grammar needs the previous token on the host"
         bitmasks = None
         if constrained:
             matchers = [chosen[row].matcher for row in constrained]
             bitmasks = token_bitmasks(matchers, logits.shape[-1], self.mask_counters)
-        tokens = sample(logits, chosen, bitmasks, constrained)
-        want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
-        extra = self._logprob_graph(tokens, logits, want, chosen) if want else ()
-        mx.eval(tokens, *extra, self.kv.keys, self.kv.values)  # the step's one evaluation
-        token_list = tokens.tolist()
-        details = self._logprob_values(extra, token_list, want, chosen)
-        for row, i in enumerate(sampling):
+        step.tokens = sample(logits, chosen, bitmasks, constrained, ahead)
+        step.want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
+        step.extra = self._logprob_graph(step.tokens, logits, step.want, chosen) if step.want else ()
+        mx.async_eval(step.tokens, *step.extra, self.kv.keys, self.kv.values)  # the step's one evaluation
+        return step
+
+    def collect(self, step: "LaunchedStep") -> list[StepOutput]:
+        """Wait for a launched step; its new tokens (and log-probabilities), one output per seq."""
+        outputs = [StepOutput(None) for _ in step.seqs]
+        if step.tokens is None:
+            mx.eval(self.kv.keys, self.kv.values)
+            return outputs
+        token_list = step.tokens.tolist()
+        chosen = [step.seqs[i] for i in step.sampling]
+        details = self._logprob_values(step.extra, token_list, step.want, chosen)
+        for row, i in enumerate(step.sampling):
             outputs[i] = StepOutput(token_list[row], details[row])
         return outputs
 

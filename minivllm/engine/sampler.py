@@ -17,10 +17,15 @@ from minivllm.engine.sequence import Sequence
 
 
 def sample(
-    logits: mx.array, seqs: list[Sequence], bitmasks: np.ndarray | None = None, masked_rows=()
+    logits: mx.array,
+    seqs: list[Sequence],
+    bitmasks: np.ndarray | None = None,
+    masked_rows=(),
+    ahead: int = 0,
 ) -> mx.array:
     """logits [B, V] -> tokens [B], for seqs[i] at row i. bitmasks[j]: the tokens row masked_rows[j] may
-    take, one bit each (llguidance's layout)."""
+    take, one bit each (llguidance's layout). ahead: tokens each seq has beyond its token_ids (sampled in
+    a step not yet read back), so that its draw is the one of its output position."""
     logits = logits.astype(mx.float32)  # a new array: the updates below leave the caller's logits alone
     logits = apply_logit_bias(logits, seqs)
     logits = apply_penalties(logits, seqs)
@@ -43,7 +48,7 @@ def sample(
             row = apply_top_p(log_softmax(row), p.top_p)
         if p.min_p > 0:
             row = apply_min_p(row, p.min_p)
-        key = mx.random.key((s.seed * 1_000_003 + len(s.token_ids)) % (1 << 63))
+        key = mx.random.key((s.seed * 1_000_003 + len(s.token_ids) + ahead) % (1 << 63))
         rows.append(mx.random.categorical(row, key=key)[0])
     return mx.stack(rows).astype(greedy.dtype)
 

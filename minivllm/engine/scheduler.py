@@ -97,6 +97,32 @@ class Scheduler:
                 budget -= n
         return list(seqs), num_tokens
 
+    def schedule_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Sequence]:
+        """The requests of the next step, chosen while the step of (seqs, num_tokens) still runs: each
+        goes on with the token that step samples for it, unknown on the host yet. Only when that is all
+        the next step would do: nobody waits, every running request is in the step and samples a token
+        in it, none needs that token on the host (a grammar's mask, penalties' counts), and each gets its
+        page without preempting anyone; else [] and the next step is scheduled as usual. A request whose
+        token turns out to end it computes one token more than it needs, which is dropped."""
+        live = [(seq, n) for seq, n in zip(seqs, num_tokens) if not seq.is_finished]
+        if self.waiting or len(live) != len(self.running):
+            return []
+        ahead = []
+        for seq, n in live:
+            if seq.num_computed_tokens + n != len(seq.token_ids) or seq.matcher or seq.params.penalized:
+                return []
+            length = len(seq.token_ids) + 1  # after the running step's token
+            if length - seq.num_prompt_tokens < seq.params.max_tokens and length < self.max_model_len:
+                ahead.append(seq)  # else that token is its last for sure
+        need = [-(-(len(seq.token_ids) + 1) // self.page_size) - len(seq.page_table) for seq in ahead]
+        if sum(need) > self.pool.num_available():
+            return []
+        for seq, k in zip(ahead, need):
+            if k > 0:
+                seq.page_table.extend(self.pool.allocate(k, after=seq.page_table[-1]))
+        self.step_seqs.extend(ahead)
+        return ahead
+
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
         need = -(-num_tokens // self.page_size) - len(seq.page_table)
@@ -177,6 +203,8 @@ class Scheduler:
         """Record what the evaluated step computed; publish pages; finish requests that are done."""
         incremental = self.config.publication == "incremental"
         for seq, n, out in zip(seqs, num_tokens, new_tokens):
+            if seq.is_finished:
+                continue  # ended (aborted, or by its previous token) while this step was in flight
             was_prefill = seq.in_prefill
             prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_prompt_tokens += prompt_part
