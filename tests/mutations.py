@@ -141,6 +141,22 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
+        "adaptive-unlearned-count-value",
+        "the adaptive policy never refits the value of a request count from the trace",
+        "minivllm/cache/eviction.py",
+        "        if self._tallies % self.REFIT_EVERY == 0:\n            self._uses = self._fit_uses()",
+        "        if False:\n            self._uses = self._fit_uses()",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "adaptive-count-value-not-monotone",
+        "a higher request count may be worth less than a lower one",
+        "minivllm/cache/eviction.py",
+        "            uses[c] = max(uses[c], uses[c - 1])",
+        "            uses[c] = uses[c]",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
         "adaptive-no-adaptation",
         "ghost hits no longer move the adaptive policy's recency target",
         "minivllm/cache/eviction.py",

@@ -28,7 +28,6 @@ start of a prompt. S3FIFO, LRU and FIFO ignore parents and releases.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -304,10 +303,15 @@ class Adaptive(EvictionPolicy):
     Resident keys are split in two segments (as in ARC, Megiddo and Modha, FAST 2003):
 
     - RECENT holds keys one request used; its victim is the least recently released key.
-    - FREQUENT holds keys two or more requests used; its victim has the lowest LFU-DA priority
-      ``age + log2(count)`` (LFU with dynamic aging, Arlitt et al. 2000): ``age`` rises to each
-      frequent victim's priority, so a key that was popular long ago ages out. The logarithm lets a
-      key stop being used after a burst without pinning it for as long as the burst lasted.
+    - FREQUENT holds keys two or more requests used; its victim has the lowest priority
+      ``age + expected_uses(count)`` (GreedyDual with dynamic aging, as LFU-DA, Arlitt et al. 2000):
+      ``age`` rises to each frequent victim's priority, so a key that was popular long ago ages out.
+      ``expected_uses(c)`` is the number of further requests the trace so far shows for a key that
+      c requests used, learned online: ``p_c``, the share of keys that reached count c and were used
+      again while the policy remembered them, gives ``U(c) = p_c * (1 + U(c + 1))``, made
+      non-decreasing in c. Where the count predicts reuse (long conversations, shared prompts) this
+      is frequency; where it does not (conversations that end at a constant rate, whatever their
+      length) U is flat and FREQUENT falls back to least recently released first.
 
     A partial block that one request used is the first victim: only an identical prompt could reuse it.
     Only a key with no resident child is a victim (the tail of a cached prompt), and a request's keys
@@ -321,9 +325,16 @@ class Adaptive(EvictionPolicy):
     FREQUENT evicted recently (B2) that FREQUENT was; each such ghost hit moves the target by
     ARC's step. The ghosts live in one bounded history of evicted keys, ``history`` times the
     capacity, which also keeps each key's request count: a key used again after eviction resumes
-    its count (it enters FREQUENT). Every operation is O(log n) amortised (heaps with lazy
-    deletion, compacted when stale entries pile up).
+    its count (it enters FREQUENT). The reuse tallies behind ``expected_uses`` cover counts up to
+    ``MAX_COUNT`` (higher counts share the last tally) and halve whenever they pass
+    ``TALLY_WINDOW`` times the capacity, so they follow the recent trace. Every operation is
+    O(log n) amortised (heaps with lazy deletion, compacted when stale entries pile up; the
+    ``MAX_COUNT``-long table is refitted every ``REFIT_EVERY`` tallies).
     """
+
+    MAX_COUNT = 32
+    TALLY_WINDOW = 32
+    REFIT_EVERY = 256
 
     prefix_aware = True
 
@@ -342,6 +353,13 @@ class Adaptive(EvictionPolicy):
         # evicted key -> (count, segment, that segment's eviction number), oldest first
         self._history: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
         self._clock = 0  # release order
+        # reuse tallies per request count (index min(count, MAX_COUNT)): keys that reached the count,
+        # and keys that were used again at that count
+        self._reached = [0.0] * (self.MAX_COUNT + 1)
+        self._reused = [0.0] * (self.MAX_COUNT + 1)
+        self._tallies = 0  # tallies so far (the refit clock)
+        self._window = 0.0  # sum of _reached, halved with it
+        self._uses = self._fit_uses()
 
     # --- read-only views (tests, metrics) ---
     def __contains__(self, key: Hashable) -> bool:
@@ -363,6 +381,10 @@ class Adaptive(EvictionPolicy):
             return self._entries[key].count
         return self._history[key][0] if key in self._history else None
 
+    def expected_uses(self, count: int) -> float:
+        """Further requests expected for a key that ``count`` requests used (the FREQUENT value)."""
+        return self._uses[min(count, self.MAX_COUNT)]
+
     # --- the access rule ---
     def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
         entry = self._entries.get(key)
@@ -370,6 +392,7 @@ class Adaptive(EvictionPolicy):
             self._unlist(entry)
             entry.pinned = True
             entry.partial = False  # reused after all
+            self._learn(entry.count)
             self._resize(entry, entry.count + 1)
             return []
         if parent is not None and parent not in self._entries:
@@ -385,6 +408,7 @@ class Adaptive(EvictionPolicy):
         if len(self._entries) >= self.capacity or (parent is not None and parent not in self._entries):
             return evicted  # every key is in use (or the victim was the parent): not admitted
         entry = _Entry(parent, 1 if ghost is None else ghost[0] + 1, partial and ghost is None)
+        self._learn(entry.count - 1)
         self._history.pop(key, None)
         self._entries[key] = entry
         self._sizes[entry.segment] += 1
@@ -401,10 +425,37 @@ class Adaptive(EvictionPolicy):
         entry.pinned = False
         self._clock += 1
         if entry.segment == FREQUENT:
-            entry.priority = (self.age + math.log2(entry.count), self._clock)
+            entry.priority = (self.age + self.expected_uses(entry.count), self._clock)
         else:  # partial blocks first, then least recently released
             entry.priority = (not entry.partial, self._clock)
         self._list(key, entry)
+
+    def _learn(self, count: int) -> None:
+        """A key that ``count`` requests used (0: a new key) is used by one more."""
+        top = self.MAX_COUNT
+        if count:
+            self._reused[min(count, top)] += 1
+        self._reached[min(count + 1, top)] += 1
+        self._tallies += 1
+        self._window += 1
+        if self._window > self.TALLY_WINDOW * self.capacity:
+            self._reached = [n / 2 for n in self._reached]
+            self._reused = [n / 2 for n in self._reused]
+            self._window /= 2
+        if self._tallies % self.REFIT_EVERY == 0:
+            self._uses = self._fit_uses()
+
+    def _fit_uses(self) -> list[float]:
+        """U(c) = p_c * (1 + U(c + 1)), p_c smoothed as (reused + 1) / (reached + 2); non-decreasing."""
+        top = self.MAX_COUNT
+        p = [(min(u, r) + 1) / (r + 2) for u, r in zip(self._reused, self._reached)]
+        uses = [0.0] * (top + 1)
+        uses[top] = p[top] / (1 - p[top])  # the shared last tally: a constant reuse probability
+        for c in range(top - 1, 0, -1):
+            uses[c] = p[c] * (1 + uses[c + 1])
+        for c in range(2, top + 1):
+            uses[c] = max(uses[c], uses[c - 1])
+        return uses
 
     def _adapt(self, segment: int, number: int) -> None:
         """A ghost hit: grow the segment that evicted the key, if it did so recently (ARC's rule)."""
