@@ -8,6 +8,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from tests.reference import MlxLmReference
+from tests.tiny_model import BYTES_PER_PAGE
 
 
 def random_prompts(lengths, seed=0, vocab=384):
@@ -47,10 +48,9 @@ def test_chunked_prefill_matches_mlx_lm(tiny_model_dir, reference):
 def test_preemption_recomputes_and_matches_mlx_lm(tiny_model_dir, reference):
     prompts = random_prompts([40, 45, 50, 55], seed=2)
     # 16 pages of 16 tokens: four requests growing to ~100 tokens each cannot all stay resident
-    bytes_per_page = 2 * 2 * 2 * 16 * 16 * 4  # K+V, layers, kv heads, head dim, page size, float32
     llm = LLM(
         str(tiny_model_dir),
-        kv_cache_bytes=16 * bytes_per_page,
+        kv_cache_bytes=16 * BYTES_PER_PAGE,
         max_num_seqs=4,
         enable_prefix_caching=False,
         single_flight="off",
@@ -62,11 +62,10 @@ def test_preemption_recomputes_and_matches_mlx_lm(tiny_model_dir, reference):
 
 
 def test_every_page_returns_after_finished_aborted_and_preempted(tiny_model_dir):
-    bytes_per_page = 2 * 2 * 2 * 16 * 16 * 4
     engine = LLMEngine(
         _config(
             tiny_model_dir,
-            kv_cache_bytes=20 * bytes_per_page,
+            kv_cache_bytes=20 * BYTES_PER_PAGE,
             max_num_seqs=6,
             enable_prefix_caching=False,
             single_flight="off",

@@ -6,6 +6,7 @@ from minivllm import SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from tests.test_engine import greedy, random_prompts
+from tests.tiny_model import BYTES_PER_PAGE
 
 
 def make_engine(model_dir, **kw) -> LLMEngine:
@@ -103,8 +104,7 @@ def test_a_request_that_arrives_is_admitted_in_the_next_scheduled_step(tiny_mode
 def test_a_step_ahead_never_preempts(tiny_model_dir, reference):
     """A pool with no page to spare: the lookahead gives up rather than preempt; results are unchanged."""
     prompts = random_prompts([40, 45, 50, 55], seed=2)
-    bytes_per_page = 2 * 2 * 2 * 16 * 16 * 4  # K+V, layers, kv heads, head dim, page size, float32
-    engine = make_engine(tiny_model_dir, kv_cache_bytes=16 * bytes_per_page, max_num_seqs=4,
+    engine = make_engine(tiny_model_dir, kv_cache_bytes=16 * BYTES_PER_PAGE, max_num_seqs=4,
                          enable_prefix_caching=False)  # fmt: skip
     seen = run(engine, {f"p{i}": (p, greedy(60)) for i, p in enumerate(prompts)})
     assert engine.stats()["preemptions"] > 0 and engine.num_steps_ahead > 0

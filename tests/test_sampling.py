@@ -12,6 +12,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.engine.sampling_params import StructuredOutput
 from tests.reference import MlxLmReference
+from tests.tiny_model import BYTES_PER_PAGE
 
 PERSON = {
     "type": "object",
@@ -199,10 +200,9 @@ def test_lark_grammar_ends_when_complete(llm, prompt):
 
 
 def test_grammar_survives_preemption(tiny_model_dir):
-    bytes_per_page = 2 * 2 * 2 * 16 * 16 * 4  # K+V, layers, kv heads, head dim, page size, float32
     llm = LLM(
         str(tiny_model_dir),
-        kv_cache_bytes=14 * bytes_per_page,
+        kv_cache_bytes=14 * BYTES_PER_PAGE,
         max_num_seqs=4,
         enable_prefix_caching=False,
         single_flight="off",

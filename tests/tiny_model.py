@@ -52,6 +52,10 @@ def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
     return tok
 
 
+# KV bytes of one 16-token page of the default tiny model: K+V, layers, kv heads, head dim, page size, float32
+BYTES_PER_PAGE = 2 * 2 * 2 * 16 * 16 * 4
+
+
 def make_tiny_model(
     path: str | Path,
     *,
