@@ -410,6 +410,22 @@ MUTATIONS = [
         ("tests/test_overlap.py",),
     ),
     Mutation(
+        "ahead-with-a-grammar",
+        "a request under a grammar runs ahead (its mask needs the previous token on the host)",
+        SCHEDULER,
+        "                or seq.matcher is not None\n",
+        "",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
+        "ahead-with-penalties",
+        "a penalized request runs ahead (its counts miss the previous token)",
+        SCHEDULER,
+        "                or seq.params.penalized\n",
+        "",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
         "ahead-at-the-old-position",
         "a step built ahead runs its token at the previous step's position",
         "minivllm/engine/model_runner.py",

@@ -2,9 +2,12 @@
 EngineConfig.overlap). It must change nothing a request sees: the same tokens, log-probabilities and
 endings as one step at a time, nothing delivered after an abort, waiting requests admitted at once."""
 
+import pytest
+
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.sampling_params import StructuredOutput
 from tests.test_engine import greedy, random_prompts
 from tests.tiny_model import BYTES_PER_PAGE
 
@@ -14,7 +17,7 @@ def make_engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **settings))
 
 
-def run(engine: LLMEngine, requests: dict) -> dict:
+def run(engine: LLMEngine, requests: dict, after_step=lambda engine: None) -> dict:
     """Every request to its end: request id -> (tokens, logprobs, finish reason)."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
@@ -28,6 +31,7 @@ def run(engine: LLMEngine, requests: dict) -> dict:
             ]
             seen[out.request_id] = (tokens, logprobs, out.finish_reason)
         engine.check_invariants()
+        after_step(engine)
     assert engine.pool.num_in_use == 0
     return seen
 
@@ -115,3 +119,27 @@ def test_overlap_is_on_by_default_on_a_gpu_backend_only(tiny_model_dir):
     engine = make_engine(tiny_model_dir, overlap=None)
     assert engine.overlap == engine.backend.is_gpu
     assert make_engine(tiny_model_dir, overlap=False).overlap is False
+
+
+@pytest.mark.parametrize("needs_last_token", ["grammar", "penalties"])
+def test_requests_that_need_the_last_token_on_the_host_never_run_ahead(tiny_model_dir, needs_last_token):
+    grammar = StructuredOutput(lark='start: "answer: " ("yes" | "no")')
+    special = {
+        "grammar": SamplingParams(max_tokens=30, temperature=1.0, seed=3, structured_output=grammar),
+        "penalties": SamplingParams(
+            max_tokens=30, presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True
+        ),
+    }[needs_last_token]
+    prompts = random_prompts([12, 24], seed=44)
+
+    def requests() -> dict:
+        return {"special": (prompts[0], special), "plain": (prompts[1], greedy(40))}
+
+    def never_ahead(engine: LLMEngine) -> None:
+        assert engine.in_flight is None or all(s.request_id != "special" for s in engine.in_flight.seqs)
+
+    expected = run(make_engine(tiny_model_dir, overlap=False), requests())
+    overlapped = make_engine(tiny_model_dir)
+    assert run(overlapped, requests(), never_ahead) == expected
+    assert expected["special"][2] == ("stop" if needs_last_token == "grammar" else "length")
+    assert overlapped.num_steps_ahead > 0  # the plain request ran ahead once it was alone

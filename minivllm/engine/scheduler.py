@@ -109,7 +109,11 @@ class Scheduler:
             return []
         ahead = []
         for seq, n in live:
-            if seq.num_computed_tokens + n != len(seq.token_ids) or seq.matcher or seq.params.penalized:
+            if (
+                seq.num_computed_tokens + n != len(seq.token_ids)
+                or seq.matcher is not None
+                or seq.params.penalized
+            ):
                 return []
             length = len(seq.token_ids) + 1  # after the running step's token
             if length - seq.num_prompt_tokens < seq.params.max_tokens and length < self.max_model_len:
