@@ -188,11 +188,12 @@ class LLMEngine:
                     self.num_steps_ahead += 1
             step_outputs = self.runner.collect(step)
             self.num_steps += 1
-            # a request that ended while its step was in flight (aborted, or by its previous token): dropped
-            live = [not seq.is_finished for seq in step.seqs]
-            self.scheduler.postprocess(step.seqs, step.num_tokens, step_outputs)
-            for seq, out, taken in zip(step.seqs, step_outputs, live):
-                if out.token is not None and taken:
+            # a request that ended while its step was in flight (aborted, or by its previous token) drops it
+            kept = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]
+            seqs, outs = [step.seqs[i] for i in kept], [step_outputs[i] for i in kept]
+            self.scheduler.postprocess(seqs, [step.num_tokens[i] for i in kept], outs)
+            for seq, out in zip(seqs, outs):
+                if out.token is not None:
                     logprobs = [out.logprob] if out.logprob else []
                     outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
             return self._collect(outputs)

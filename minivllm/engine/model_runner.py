@@ -89,7 +89,7 @@ class ModelRunner:
 
         after: the step still running before this one. Every seq is then one decode token past it: its
         input is the token `after` samples for it, taken on the device (not read back), at the position
-        after `after`'s tokens. So the host builds step n+1 while the device runs step n, as mlx-lm does."""
+        after its last known token. So the host builds step n+1 while the device runs step n, as mlx-lm does."""
         if after is None:
             input_ids = []
             for seq, n in zip(seqs, num_tokens):
@@ -98,8 +98,8 @@ class ModelRunner:
         else:
             row_of = {id(after.seqs[i]): row for row, i in enumerate(after.sampling)}
             inputs = after.tokens[mx.array([row_of[id(s)] for s in seqs])]
-            previous = dict(zip(map(id, after.seqs), after.num_tokens))
-            computed, ahead = [s.num_computed_tokens + previous[id(s)] for s in seqs], 1
+            # `after` computes every token each seq has (Scheduler.schedule_ahead): the new one goes next
+            computed, ahead = [len(s.token_ids) for s in seqs], 1
         layout = build_layout([s.page_table for s in seqs], computed, num_tokens, self.page_size)
         # only sequences whose chunk reaches their last token produce a new token this step
         sampling = [

@@ -115,21 +115,20 @@ class Scheduler:
                 or seq.params.penalized
             ):
                 return []
-            length = len(seq.token_ids) + 1  # after the running step's token
-            if length - seq.num_prompt_tokens < seq.params.max_tokens and length < self.max_model_len:
-                ahead.append(seq)  # else that token is its last for sure
-        need = [-(-(len(seq.token_ids) + 1) // self.page_size) - len(seq.page_table) for seq in ahead]
+            if not self._reached_length_limit(seq, len(seq.token_ids) + 1):
+                ahead.append(seq)  # else the running step's token is its last for sure
+        # its KV goes after the running step's token: len(token_ids) + 1 tokens in all
+        need = [self._pages_short(seq, len(seq.token_ids) + 1) for seq in ahead]
         if sum(need) > self.pool.num_available():
             return []
         for seq, k in zip(ahead, need):
-            if k > 0:
-                seq.page_table.extend(self.pool.allocate(k, after=seq.page_table[-1]))
+            self._grow(seq, k)
         self.step_seqs.extend(ahead)
         return ahead
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
-        need = -(-num_tokens // self.page_size) - len(seq.page_table)
+        need = self._pages_short(seq, num_tokens)
         if need > self.pool.num_available() and self._stop_if_it_never_fits(seq):
             return False
         while need > self.pool.num_available():
@@ -137,11 +136,18 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
+        self._grow(seq, need)
+        return True
+
+    def _pages_short(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages seq lacks to hold num_tokens (<= 0: none)."""
+        return -(-num_tokens // self.page_size) - len(seq.page_table)
+
+    def _grow(self, seq: Sequence, need: int) -> None:
         if need > 0:
             seq.page_table.extend(
                 self.pool.allocate(need, after=seq.page_table[-1] if seq.page_table else None)
             )
-        return True
 
     def _stop_if_it_never_fits(self, seq: Sequence) -> bool:
         """A request whose longest possible context needs more pages than the whole pool would push every
@@ -207,8 +213,6 @@ class Scheduler:
         """Record what the evaluated step computed; publish pages; finish requests that are done."""
         incremental = self.config.publication == "incremental"
         for seq, n, out in zip(seqs, num_tokens, new_tokens):
-            if seq.is_finished:
-                continue  # ended (aborted, or by its previous token) while this step was in flight
             was_prefill = seq.in_prefill
             prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_prompt_tokens += prompt_part
@@ -240,11 +244,12 @@ class Scheduler:
             if out.token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos
                 seq.stop_token_id = out.token
             self.finish(seq, "stop")  # the grammar is complete and allows nothing more
-        elif (
-            len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens
-            or len(seq.token_ids) >= self.max_model_len
-        ):
+        elif self._reached_length_limit(seq, len(seq.token_ids)):
             self.finish(seq, "length")
+
+    def _reached_length_limit(self, seq: Sequence, length: int) -> bool:
+        """With `length` tokens, seq has its max_tokens or fills the context."""
+        return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
     def publish(self, seq: Sequence) -> None:
         """Publish every full page whose KV is computed (and evaluated: this runs after the step)."""
