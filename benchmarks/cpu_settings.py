@@ -20,6 +20,7 @@ import time
 
 from tqdm import tqdm
 
+from benchmarks.harness.engine_timing import decode_rate
 from benchmarks.harness.prompts import filler_text
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
@@ -65,12 +66,7 @@ class Probe:
     def decode(self, batch: int) -> float:
         params = SamplingParams(max_tokens=self.n + 1, ignore_eos=True)
         seqs = [self.engine.add_request(f"d{self.seed}-{i}", self.prompt(64), params) for i in range(batch)]
-        while any(not s.output_token_ids for s in seqs):
-            self.engine.step()
-        start = time.perf_counter()
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        return batch * self.n / (time.perf_counter() - start)
+        return decode_rate(self.engine, seqs)
 
 
 def main(argv: list[str] | None = None) -> None:
