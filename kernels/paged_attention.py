@@ -25,10 +25,12 @@ signature; none is verified on a GPU yet, so this is the only implementation.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
+
+from kernels.activations import on_numpy, softmax
 
 BLOCK = 128  # prefill queries per causal block
 MAX_RUNS = 16  # more runs of pages than this: gather the context into one copy
@@ -49,6 +51,26 @@ class AttentionLayout:
     page_size: int
     positions: mx.array  # [T] position of each flat token in its sequence (its rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
+
+    def last_tokens(self, seq_indices: list[int]) -> "QueryRows | None":
+        """The last new token of each given sequence, as rows of the flat batch and their own layout
+        (the same contexts, one query each); None when that is every token already."""
+        if len(seq_indices) == len(self.seqs) and all(s.num_new == 1 for s in self.seqs):
+            return None
+        ends = np.cumsum([s.num_new for s in self.seqs]) - 1
+        rows = mx.array(ends[seq_indices].astype(np.int32))
+        seqs = [
+            replace(self.seqs[i], start=self.seqs[i].start + self.seqs[i].num_new - 1, num_new=1)
+            for i in seq_indices
+        ]
+        layout = AttentionLayout(seqs, self.page_size, self.positions[rows], self.slot_mapping[rows])
+        return QueryRows(rows, layout)
+
+
+@dataclass
+class QueryRows:
+    rows: mx.array  # [R] indices into the step's flat tokens
+    layout: AttentionLayout  # those tokens alone
 
 
 def page_runs(pages: np.ndarray, page_size: int, length: int) -> list[tuple[int, int]]:
@@ -161,7 +183,8 @@ def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], 
     L, H, D = q.shape
     heads_kv = keys[0].shape[1]
     streams = cpu_streams()[:heads_kv]
-    if len(streams) < 2 or L * H * sum(k.shape[2] for k in keys) < PARALLEL_MIN_SCORES:
+    scores = L * H * sum(k.shape[2] for k in keys)
+    if len(streams) < 2 or scores < PARALLEL_MIN_SCORES or on_numpy(q.dtype, scores):
         return _attend(q, keys, values, scale)
     rep, outs = H // heads_kv, []
     for g, stream in enumerate(streams):
@@ -181,7 +204,8 @@ def _attend(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: fl
         q, causal = q.reshape(1, heads_kv, H // heads_kv, D), False
     else:
         q, causal = q.transpose(1, 0, 2)[None], True
-    if len(keys) == 1:
+    # one run: MLX's attention, unless its softmax goes through numpy (activations.softmax)
+    if len(keys) == 1 and not on_numpy(q.dtype, L * H * keys[0].shape[2]):
         out = mx.fast.scaled_dot_product_attention(
             q, keys[0], values[0], scale=scale, mask="causal" if causal else None
         )
@@ -204,7 +228,7 @@ def _attend_runs(q, keys, values, scale, causal) -> mx.array:
         S = scores.shape[-1]
         visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
         scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = softmax(scores)
     out, offset = None, 0
     for v in values:
         n = v.shape[2]

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels import activations
 from kernels import paged_attention as pa
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 8, 4
@@ -70,9 +71,12 @@ def test_page_runs():
     ],
 )
 @pytest.mark.parametrize("split", ["never", "always"])
-def test_matches_dense_attention(tables, starts, num_new, split, monkeypatch):
-    # split: attention divided by KV heads over the CPU streams (one per core) or kept whole
+@pytest.mark.parametrize("softmax", ["mlx", "numpy"])
+def test_matches_dense_attention(tables, starts, num_new, split, softmax, monkeypatch):
+    # split: attention divided by KV heads over the CPU streams (one per core) or kept whole;
+    # softmax: MLX's attention everywhere, or every softmax through numpy (as large ones on the CPU)
     monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
+    monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0 if softmax == "numpy" else 1 << 62)
     out, expected, layout = run(tables, starts, num_new)
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from kernels.paged_attention import build_layout
 from minivllm.engine.grammar import MaskCounters, token_bitmasks
@@ -108,11 +107,8 @@ class ModelRunner:
             if c + n == len(s.token_ids) + ahead
         ]
         step = LaunchedStep(seqs, num_tokens, sampling)
-        ends = np.cumsum(num_tokens) - 1
-        # without a sampling sequence the graph still has to write the KV: logits of token 0, unused
-        logits_index = mx.array(ends[sampling].astype(np.int32) if sampling else [0], dtype=mx.int32)
-        logits = forward(self.model, inputs, self.kv, layout, logits_index)
-        if not sampling:
+        logits = forward(self.model, inputs, self.kv, layout, sampling)
+        if logits is None:
             mx.async_eval(self.kv.keys, self.kv.values)
             return step
         chosen = [seqs[i] for i in sampling]

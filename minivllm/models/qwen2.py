@@ -7,12 +7,12 @@ sequence's context through its page table in kernels.paged_attention.
 """
 
 from dataclasses import dataclass
-from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.paged_attention import AttentionLayout, paged_attention, write_kv
+from kernels.activations import swiglu
+from kernels.paged_attention import AttentionLayout, QueryRows, paged_attention, write_kv
 
 
 @dataclass
@@ -21,24 +21,23 @@ class KVPools:
     values: list[mx.array]
 
 
-def attention(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout: AttentionLayout) -> mx.array:
+def write_layer_kv(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout: AttentionLayout) -> None:
+    """The keys and values of every new token of the step into the layer's pools."""
     T = x.shape[0]
     # rope on the flat tokens: each is a length-1 sequence at its own position (an offset per token),
     # so nothing is padded and every backend's batched rope applies
-    q = attn.rope(attn.q_proj(x).reshape(T, attn.n_heads, 1, -1), offset=layout.positions)
     k = attn.rope(attn.k_proj(x).reshape(T, attn.n_kv_heads, 1, -1), offset=layout.positions)
     v = attn.v_proj(x).reshape(T, attn.n_kv_heads, -1)
     write_kv(kv.keys[layer], layout.slot_mapping, k.squeeze(2))
     write_kv(kv.values[layer], layout.slot_mapping, v)
+
+
+def attention(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout: AttentionLayout) -> mx.array:
+    """The queries of the tokens `layout` describes over the pools (their own K/V already written)."""
+    T = x.shape[0]
+    q = attn.rope(attn.q_proj(x).reshape(T, attn.n_heads, 1, -1), offset=layout.positions)
     out = paged_attention(q.squeeze(2), kv.keys[layer], kv.values[layer], layout, attn.scale)
     return attn.o_proj(out)
-
-
-@partial(mx.compile, shapeless=True)
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up as gate / (1 + exp(-gate)) * up: one transcendental per element instead of the
-    sigmoid's dearer one (21% less time on the CPU backend, where element-wise exp dominates)."""
-    return gate / (1 + mx.exp(-gate)) * up
 
 
 def mlp(module: nn.Module, x: mx.array) -> mx.array:
@@ -47,20 +46,40 @@ def mlp(module: nn.Module, x: mx.array) -> mx.array:
     return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
 
 
-def forward(
-    model: nn.Module,
-    input_ids: mx.array,
+def decoder_layer(
+    block: nn.Module,
+    h: mx.array,
     kv: KVPools,
+    layer: int,
     layout: AttentionLayout,
-    logits_index: mx.array,
+    queries: QueryRows | None = None,
 ) -> mx.array:
-    """Logits [len(logits_index), vocab] for the flat tokens at logits_index (each sampling sequence's last)."""
+    """One transformer block over the flat tokens. queries: only these rows go on past the K/V write."""
+    x = block.input_layernorm(h)
+    write_layer_kv(block.self_attn, x, kv, layer, layout)
+    if queries is not None:
+        h, x, layout = h[queries.rows], x[queries.rows], queries.layout
+    h = h + attention(block.self_attn, x, kv, layer, layout)
+    return h + mlp(block.mlp, block.post_attention_layernorm(h))
+
+
+def forward(
+    model: nn.Module, input_ids: mx.array, kv: KVPools, layout: AttentionLayout, sampling: list[int]
+) -> mx.array | None:
+    """Logits [len(sampling), vocab] of the last new token of each sequence in `sampling` (indices into
+    layout.seqs); None when no sequence samples (the step only fills the pools)."""
     body = model.model
     h = body.embed_tokens(input_ids)
-    for i, block in enumerate(body.layers):
-        h = h + attention(block.self_attn, block.input_layernorm(h), kv, i, layout)
-        h = h + mlp(block.mlp, block.post_attention_layernorm(h))
-    h = body.norm(h[logits_index])
+    *inner, last = body.layers
+    for i, block in enumerate(inner):
+        h = decoder_layer(block, h, kv, i, layout)
+    # The last block's output feeds only the logits: every token's K/V still goes into the pool, but
+    # its queries, attention and MLP are computed for the sampled rows alone (a prefill chunk's last
+    # token), which saves 1/num_layers of a prefill step.
+    if not sampling:
+        write_layer_kv(last.self_attn, last.input_layernorm(h), kv, len(inner), layout)
+        return None
+    h = body.norm(decoder_layer(last, h, kv, len(inner), layout, layout.last_tokens(sampling)))
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head(h)
     return body.embed_tokens.as_linear(h)

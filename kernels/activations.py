@@ -1,0 +1,63 @@
+"""The element-wise transcendental work of a step: SwiGLU's and the attention softmax's `exp`.
+
+MLX ops everywhere, except for large float32 arrays on the CPU backend: there MLX computes `exp` one
+element at a time on one thread (about 15 ns an element on this project's x86 machines), while numpy's
+`exp` is vectorised (SIMD, about 4 ns), so a 512-token prefill spends less time in these functions
+than in its matmuls only when numpy computes them. The numpy path reads the MLX array's buffer (which
+evaluates the graph up to it: on the CPU nothing runs concurrently with the host anyway) and hands back
+a new MLX array. Small arrays (decode steps) stay in the lazy MLX graph, where a host round trip would
+cost more than it saves. tests/test_activations.py checks both paths against each other.
+"""
+
+from functools import partial
+
+import mlx.core as mx
+import numpy as np
+
+NUMPY_MIN_ELEMENTS = 1 << 16  # below this the MLX graph is cheaper than a host round trip
+
+
+def on_numpy(dtype: mx.Dtype, size: int) -> bool:
+    """Whether element-wise work on `size` elements goes through numpy (large float32 arrays on the
+    CPU backend)."""
+    return dtype == mx.float32 and size >= NUMPY_MIN_ELEMENTS and mx.default_device() == mx.cpu
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up."""
+    if on_numpy(gate.dtype, gate.size):
+        return _swiglu_numpy(gate, up)
+    return swiglu_mlx(gate, up)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu_mlx(gate: mx.array, up: mx.array) -> mx.array:
+    """As gate / (1 + exp(-gate)) * up: one transcendental per element instead of the sigmoid's dearer
+    one (21% less time on the CPU backend, where element-wise exp dominates)."""
+    return gate / (1 + mx.exp(-gate)) * up
+
+
+def _swiglu_numpy(gate: mx.array, up: mx.array) -> mx.array:
+    g, u = np.asarray(gate), np.asarray(up)
+    out = np.negative(g)
+    with np.errstate(over="ignore"):  # exp(-gate) = inf for gate < -88: silu is then -0, as in MLX
+        np.exp(out, out=out)
+    out += 1
+    np.divide(g, out, out=out)
+    out *= u
+    return mx.array(out)
+
+
+def softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis, in float32 (MLX's precise softmax)."""
+    if on_numpy(scores.dtype, scores.size):
+        return _softmax_numpy(scores)
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+def _softmax_numpy(scores: mx.array) -> mx.array:
+    s = np.asarray(scores)
+    out = np.subtract(s, s.max(axis=-1, keepdims=True))
+    np.exp(out, out=out)
+    out /= out.sum(axis=-1, keepdims=True)
+    return mx.array(out)
