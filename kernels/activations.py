@@ -1,4 +1,4 @@
-"""The element-wise transcendental work of a step: SwiGLU's and the attention softmax's `exp`.
+"""The element-wise transcendental work of a step: SwiGLU's and the prefill attention softmax's `exp`.
 
 MLX ops everywhere, except for large float32 arrays on the CPU backend: there MLX computes `exp` one
 element at a time on one thread (about 15 ns an element on this project's x86 machines), while numpy's
@@ -48,14 +48,8 @@ def _swiglu_numpy(gate: mx.array, up: mx.array) -> mx.array:
     return mx.array(out)
 
 
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis, in float32 (MLX's precise softmax)."""
-    if on_numpy(scores.dtype, scores.size):
-        return _softmax_numpy(scores)
-    return mx.softmax(scores, axis=-1, precise=True)
-
-
-def _softmax_numpy(scores: mx.array) -> mx.array:
+def softmax_numpy(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of a float32 array, in float32 (as MLX's precise softmax)."""
     s = np.asarray(scores)
     out = np.subtract(s, s.max(axis=-1, keepdims=True))
     np.exp(out, out=out)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from kernels.activations import on_numpy, softmax
+from kernels.activations import on_numpy, softmax_numpy
 
 BLOCK = 128  # prefill queries per causal block
 MAX_RUNS = 16  # more runs of pages than this: gather the context into one copy
@@ -184,7 +184,8 @@ def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], 
     heads_kv = keys[0].shape[1]
     streams = cpu_streams()[:heads_kv]
     scores = L * H * sum(k.shape[2] for k in keys)
-    if len(streams) < 2 or scores < PARALLEL_MIN_SCORES or on_numpy(q.dtype, scores):
+    # the split exists for MLX's one-thread exp: a softmax on numpy is faster alone
+    if len(streams) < 2 or scores < PARALLEL_MIN_SCORES or _prefill_on_numpy(q.dtype, L, H, keys):
         return _attend(q, keys, values, scale)
     rep, outs = H // heads_kv, []
     for g, stream in enumerate(streams):
@@ -204,19 +205,25 @@ def _attend(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: fl
         q, causal = q.reshape(1, heads_kv, H // heads_kv, D), False
     else:
         q, causal = q.transpose(1, 0, 2)[None], True
-    # one run: MLX's attention, unless its softmax goes through numpy (activations.softmax)
-    if len(keys) == 1 and not on_numpy(q.dtype, L * H * keys[0].shape[2]):
+    # a prefill block's large softmax goes through numpy on the CPU (kernels.activations); decode keeps
+    # MLX's attention, without a host round trip per layer
+    numpy_softmax = causal and _prefill_on_numpy(q.dtype, L, H, keys)
+    if len(keys) == 1 and not numpy_softmax:
         out = mx.fast.scaled_dot_product_attention(
             q, keys[0], values[0], scale=scale, mask="causal" if causal else None
         )
     else:
-        out = _attend_runs(q, keys, values, scale, causal)
+        out = _attend_runs(q, keys, values, scale, causal, numpy_softmax)
     if L == 1:
         return out.reshape(1, H * D)
     return out[0].transpose(1, 0, 2).reshape(L, H * D)
 
 
-def _attend_runs(q, keys, values, scale, causal) -> mx.array:
+def _prefill_on_numpy(dtype: mx.Dtype, L: int, H: int, keys: list[mx.array]) -> bool:
+    return L > 1 and on_numpy(dtype, L * H * sum(k.shape[2] for k in keys))
+
+
+def _attend_runs(q, keys, values, scale, causal, numpy_softmax=False) -> mx.array:
     """Attention over a context split into pieces, without joining them: like MLX's unfused
     scaled_dot_product_attention (scale, scores, mask, precise softmax, values) with the scores of all
     pieces concatenated before the softmax and the values' products summed piece by piece."""
@@ -228,7 +235,7 @@ def _attend_runs(q, keys, values, scale, causal) -> mx.array:
         S = scores.shape[-1]
         visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
         scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    probs = softmax(scores)
+    probs = softmax_numpy(scores) if numpy_softmax else mx.softmax(scores, axis=-1, precise=True)
     out, offset = None, 0
     for v in values:
         n = v.shape[2]
