@@ -3,6 +3,7 @@
 
     python -m benchmarks.long_context [--model DIR] [--runs 3] [--quick] [--baseline COMMIT_OR_DIR]
         [--contexts 1024,16384] [--prefill 512] [--batch 1]  (a subset: its own file, long_context-b1)
+        [--tag prefill]  (appended to the file name: long_context-b1-prefill)
 
 All engines live in this process and share one copy of the weights (float32 on the CPU backend, as both
 engines run them there), and every measurement is taken for each engine in turn before the next one, so
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-tokens", type=int, help="decode tokens per measurement (default 32)")
     p.add_argument("--batch", help="decode batch sizes, comma-separated (default 1,8)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only minivllm (and the baseline)")
+    p.add_argument("--tag", help="suffix of the results' file name, so that a partial run keeps its own file")
     args = parse_args(p, argv)
     plan = make_plan(args, load_tokenizer(args.model))
     loaded = load_model(str(args.model))  # one copy of the weights for every engine
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     # a run of some batch sizes only gets its own file: it must not replace the full table
     name = result_name("long_context", args) + "".join(f"-b{b}" for b in plan["batch"] if args.batch)
+    name += f"-{args.tag}" if args.tag else ""
     paths = write_results(name, rows_of(rates, baseline), meta, raw=rates,
                           notes=notes, out_dir=args.out, allow_dirty=args.allow_dirty)  # fmt: skip
     print_report(paths)

@@ -230,7 +230,8 @@ def _attend_runs(q, keys, values, scale, causal, numpy_softmax=False) -> mx.arra
     B, H, L, D = q.shape
     heads_kv = keys[0].shape[1]
     q = (q * mx.array(scale, dtype=q.dtype)).reshape(B, heads_kv, H // heads_kv, L, D)
-    scores = mx.concatenate([q @ k[:, :, None].swapaxes(-1, -2) for k in keys], axis=-1)
+    parts = [q @ k[:, :, None].swapaxes(-1, -2) for k in keys]
+    scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     if causal:
         S = scores.shape[-1]
         visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
