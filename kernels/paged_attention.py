@@ -9,15 +9,16 @@ view, with no copy.
 A step's tokens are flat: [T, ...] for all sequences together (decode tokens and prefill chunks).
 Attention runs per sequence and reads its context through its page table as runs of consecutive pages
 (the page pool places a request's pages consecutively where it can, so one run is the common case):
-  - one run: `mx.fast.scaled_dot_product_attention` on views of the pool;
+  - one run: `mx.fast.scaled_dot_product_attention` on views of the pool (not for a softmax on numpy);
   - a few runs: scores per run, concatenated (head_dim times smaller than the keys), one softmax, the
     values summed run by run, the same arithmetic as MLX's own unfused attention;
   - more than MAX_RUNS runs: the context's pages are gathered into one copy first (bounded graph size).
 Prefill chunks go in blocks of BLOCK queries; a block sees the keys up to its own last position, so the
 key blocks the causal mask hides entirely are never computed. A decode token's query heads that share a
 KV head are stacked as the rows of one matrix, so each KV head is read once, not once per query head.
-On the CPU backend, attention with many scores is split by KV heads over one MLX stream per core (MLX
-runs a CPU stream's element-wise ops, the softmax's exp above all, on one thread).
+On the CPU backend, a large prefill block's softmax goes through numpy (kernels.activations: MLX's CPU
+exp is one element at a time), and other attention with many scores is split by KV heads over one MLX
+stream per core (MLX runs a CPU stream's element-wise ops on one thread).
 
 The layout (runs, positions, slots) is built once per step on the host, in O(pages + new tokens), and
 shared by all layers. A fused Metal/CUDA kernel could replace `paged_attention` behind the same

@@ -113,7 +113,8 @@ class ModelRunner:
             return step
         chosen = [seqs[i] for i in sampling]
         # grammar masks depend only on tokens already accepted: computed on the host while the graph
-        # is still lazy, so the step keeps its single evaluation
+        # is still lazy, so the step keeps its single evaluation (on a GPU; on the CPU a prefill's
+        # large element-wise work has already evaluated parts of it, kernels.activations)
         constrained = [row for row, s in enumerate(chosen) if s.matcher is not None]
         assert not (constrained and ahead), "a grammar needs the previous token on the host"
         bitmasks = None
