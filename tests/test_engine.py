@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from kernels import activations
 from minivllm import LLM, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from tests.reference import MlxLmReference
@@ -42,6 +43,15 @@ def test_eight_prompts_in_one_continuous_batch_match_mlx_lm(tiny_model_dir, refe
 def test_chunked_prefill_matches_mlx_lm(tiny_model_dir, reference):
     prompts = random_prompts([300, 150], seed=1)
     llm = LLM(str(tiny_model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=64, max_num_seqs=4)
+    assert run_all(llm, prompts, 16) == [reference.greedy(p, 16) for p in prompts]
+
+
+def test_numpy_elementwise_path_matches_mlx_lm(tiny_model_dir, reference, monkeypatch):
+    """On the CPU backend large SwiGLUs and prefill softmaxes go through numpy (kernels.activations):
+    here every one does, in steps mixing prefill chunks and decode tokens."""
+    monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0)
+    prompts = random_prompts([1, 33, 129, 300], seed=3)
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=128, max_num_seqs=4)
     assert run_all(llm, prompts, 16) == [reference.greedy(p, 16) for p in prompts]
 
 
