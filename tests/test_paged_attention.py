@@ -74,7 +74,8 @@ def test_page_runs():
 @pytest.mark.parametrize("softmax", ["mlx", "numpy"])
 def test_matches_dense_attention(tables, starts, num_new, split, softmax, monkeypatch):
     # split: attention divided by KV heads over the CPU streams (one per core) or kept whole;
-    # softmax: MLX's attention everywhere, or every softmax through numpy (as large ones on the CPU)
+    # softmax: MLX's attention everywhere, or every prefill block's softmax through numpy (as large
+    # ones on the CPU; decode keeps MLX's attention either way)
     monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
     monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0 if softmax == "numpy" else 1 << 62)
     out, expected, layout = run(tables, starts, num_new)
