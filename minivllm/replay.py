@@ -324,11 +324,18 @@ def replay(
     history: float = 4.0,
 ) -> ReplayResult:
     """Replay the trace against one policy and capacity (in blocks)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
     policy_name = resolve_policy(policy_name)
     options = {"small_ratio": small_ratio, "max_freq": max_freq, "history": history}
     cache = make_cache(requests, policy_name, capacity, **options)
+    return replay_cache(requests, cache, policy_name, block_size)
+
+
+def replay_cache(
+    requests: Sequence[TraceRequest], cache: EvictionPolicy, policy_name: str, block_size: int = 512
+) -> ReplayResult:
+    """Replay the trace against a policy object (for one built with options that `replay` does not pass)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     parents: dict = {}  # block -> the block before it, as the trace first showed it
     hit_tokens = total_tokens = hit_blocks = total_blocks = 0
     for req in requests:

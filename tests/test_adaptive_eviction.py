@@ -4,6 +4,8 @@ a request count learned from the trace."""
 
 import random
 
+import pytest
+
 from minivllm.cache.eviction import FREQUENT, LRU, RECENT, Adaptive
 
 
@@ -102,6 +104,25 @@ def test_a_ghost_evicted_long_ago_does_not_adapt():
     request(p, [0])  # 25 RECENT evictions after its own: beyond ARC's ghost list, still in the history
     assert p.target_recent == 0
     assert p.count(0) == 2
+
+
+def test_a_fixed_recent_share_ignores_ghost_hits():
+    for share, target in ((None, 4), (0.0, 0), (0.5, 2)):
+        p = Adaptive(4, recent_share=share)
+        for key in "abcde":
+            request(p, [key])
+        request(p, ["a"])  # the B1 hit that moves ARC's target to 4 (test above)
+        assert p.target_recent == target
+    # RECENT (a, b, c) gives the victim while it holds more keys than the fixed target
+    for share, victim in ((0.5, "a"), (0.75, "hot")):
+        p = Adaptive(4, recent_share=share)
+        request(p, ["hot"])
+        request(p, ["hot"])
+        for key in "abc":
+            request(p, [key])
+        assert request(p, ["d"]) == [victim]
+    with pytest.raises(ValueError, match="recent_share"):
+        Adaptive(4, recent_share=1.5)
 
 
 def test_history_is_bounded():

@@ -329,7 +329,8 @@ class Adaptive(EvictionPolicy):
     ``MAX_COUNT`` (higher counts share the last tally) and halve whenever they pass
     ``TALLY_WINDOW`` times the capacity, so they follow the recent trace. Every operation is
     O(log n) amortised (heaps with lazy deletion, compacted when stale entries pile up; the
-    ``MAX_COUNT``-long table is refitted every ``REFIT_EVERY`` tallies).
+    ``MAX_COUNT``-long table is refitted every ``REFIT_EVERY`` tallies). ``recent_share`` fixes
+    the target at a share of the capacity instead (a diagnostic; the default adapts).
     """
 
     MAX_COUNT = 32
@@ -338,13 +339,18 @@ class Adaptive(EvictionPolicy):
 
     prefix_aware = True
 
-    def __init__(self, capacity: int, history: float = 4.0):
+    def __init__(self, capacity: int, history: float = 4.0, recent_share: float | None = None):
         _check_capacity(capacity)
         if not history > 0:
             raise ValueError(f"history must be > 0, got {history!r}")
+        if recent_share is not None and not 0.0 <= recent_share <= 1.0:
+            raise ValueError(f"recent_share must be in [0, 1] or None, got {recent_share!r}")
         self.capacity = capacity
         self.history_cap = max(1, round(history * capacity))
-        self.target_recent = 0.0  # ARC's p
+        # None: ARC's p, adapted on ghost hits. A share: RECENT's target fixed at that share of the
+        # capacity (benchmarks/replay_sensitivity.py holds the adaptive split against fixed ones).
+        self.recent_share = recent_share
+        self.target_recent = 0.0 if recent_share is None else recent_share * capacity
         self.age = 0.0  # LFU-DA's L: the priority of the latest frequent victim
         self._entries: dict[Hashable, _Entry] = {}
         self._heaps: tuple[list, list] = ([], [])  # candidates per segment: (priority, version, key)
@@ -459,6 +465,8 @@ class Adaptive(EvictionPolicy):
 
     def _adapt(self, segment: int, number: int) -> None:
         """A ghost hit: grow the segment that evicted the key, if it did so recently (ARC's rule)."""
+        if self.recent_share is not None:
+            return  # a fixed split
         free = [max(1, self.capacity - size) for size in self._sizes]  # ARC's ghost list lengths
         if self._evictions[segment] - number >= free[segment]:
             return  # evicted too long ago: a bigger segment would not have kept it
