@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in CAPACITIES:
             for pol in POLICIES:
                 around = [rates[t, round(c * f), pol, None] for f in FACTORS]
+                drop = max(max(a - b for a, b in zip(around, around[1:])), 0.0)
                 neighbourhood.append(
                     {
                         "trace": t,
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                         "rate": rates[t, c, pol, None],
                         "factors": list(FACTORS),
                         "around": around,
+                        "drop": drop,
                         "min": min(around),
                         "max": max(around),
                     }
@@ -135,14 +137,20 @@ def markdown(record: dict) -> str:
         "",
         "## Neighbourhood: the same policy with a slightly smaller or larger pool (capacity x factor)",
         "",
-        "| trace | capacity | policy | " + " | ".join(f"x{f:g}" for f in factors) + " | spread |",
-        "|---|---:|---|" + "---:|" * (len(factors) + 1),
+        "Spread: max - min over the row. Largest drop: the most the hit rate falls when the pool grows one step;",
+        "a drop is how far this point moves with a change that is not a change of the policy, so a difference",
+        "between two policies smaller than it is not evidence for either.",
+        "",
+        "| trace | capacity | policy | "
+        + " | ".join(f"x{f:g}" for f in factors)
+        + " | spread | largest drop |",
+        "|---|---:|---|" + "---:|" * (len(factors) + 2),
     ]
     for r in record["neighbourhood"]:
         lines.append(
             f"| {r['trace']} | {r['capacity']} | {r['policy']} | "
             + " | ".join(f"{v:.4f}" for v in r["around"])
-            + f" | {r['max'] - r['min']:.4f} |"
+            + f" | {r['max'] - r['min']:.4f} | {r['drop']:.4f} |"
         )
     shares = list(record["split"][0]["fixed"])
     lines += [
