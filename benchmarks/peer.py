@@ -32,11 +32,11 @@ QUICK = Sizes(cold_tokens=200, burst_tokens=200, bursts=(4,), short_output=8, th
               throughput_prompt=64, throughput_output=16)  # fmt: skip
 
 
-def decode_tok_s(results: list[client.RequestResult]) -> float:
+def decode_tok_s(group: list[client.RequestResult]) -> float:
     # Tokens after each request's first, over the window from the first first-token to the last finish:
     # the batch's decode rate, with prefill kept out as far as a client can tell.
-    window = max(r.finished_at for r in results) - min(r.first_token_at for r in results)
-    return sum(max(0, r.completion_tokens - 1) for r in results) / window if window > 0 else float("nan")
+    window = max(r.finished_at for r in group) - min(r.first_token_at for r in group)
+    return sum(max(0, r.completion_tokens - 1) for r in group) / window if window > 0 else float("nan")
 
 
 async def peer_run(session: runner.Session, run: int, tokenizer, sz: Sizes) -> dict[str, Any]:

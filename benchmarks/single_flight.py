@@ -26,7 +26,7 @@ CONFIGS = {
     "after_prefill": {"MINIVLLM_SINGLE_FLIGHT": "after_prefill", "MINIVLLM_PUBLICATION": "completion"},
 }
 EVICTED = "minivllm_pages_evicted_total"
-POLICIES = ("s3fifo", "lru", "fifo")
+POLICIES = ("adaptive", "s3fifo", "lru", "fifo")
 
 
 # ---------------------------------------------------------------- bursts
@@ -42,9 +42,9 @@ async def burst_run(
     return out
 
 
-def follower_restored(results: list[client.RequestResult]) -> float:
+def follower_restored(group: list[client.RequestResult]) -> float:
     # The client cannot see who led; the request that restored least did the computing.
-    restored = sorted(r.cached_tokens for r in results)[1:]
+    restored = sorted(r.cached_tokens for r in group)[1:]
     return results.mean_sd(restored)[0] if restored else math.nan
 
 
@@ -120,18 +120,18 @@ def churn_pool(args, n_tokens: int, max_tokens: int) -> dict[str, int]:
 async def churn_run(
     session: runner.Session, run: int, tokenizer, pool: dict[str, int], n_tokens: int, max_tokens: int
 ):
-    prompts = [
+    distinct = [
         prompts.make_prompt(tokenizer, n_tokens, 40_000 + 1000 * run + i) for i in range(pool["requests"])
     ]
     before = session.metrics()
-    results, errors = [], []
-    for p in [*prompts, prompts[0]]:  # one at a time, then revisit the first (long evicted) prefix
+    done, errors = [], []
+    for p in [*distinct, distinct[0]]:  # one at a time, then revisit the first (long evicted) prefix
         try:
-            results.append(await session.chat(p.messages, max_tokens))
+            done.append(await session.chat(p.messages, max_tokens))
         except Exception as e:  # an overfull pool may refuse requests: report it, don't die
             errors.append(repr(e))
     after = session.metrics()
-    return {"results": results, "errors": errors, "metrics_before": before, "metrics_after": after}
+    return {"results": done, "errors": errors, "metrics_before": before, "metrics_after": after}
 
 
 def summarize_churn(by_policy: dict[str, list[dict[str, Any]]], pool: dict[str, int]) -> list[dict[str, Any]]:

@@ -198,3 +198,24 @@ def test_quality_benchmark_on_a_tiny_gguf(tmp_path):
     assert int(transcode["model MB"]) > int(q4["model MB"])
     assert data["metadata"]["tokens_per_text"] == {"code": 64, "prose": 64}
     assert list(tmp_path.glob("quality-quick*.png"))
+
+
+def test_single_flight_quick_bursts_and_churn(tiny_model_dir, tmp_path):
+    """Both scenarios end to end on the tiny model: the summaries read every run (they once crashed there)."""
+    from benchmarks import single_flight
+
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"]
+    single_flight.main(args)
+    (path,) = tmp_path.glob("single_flight-quick*.json")
+    rows = {row["strategy"]: row for row in json.loads(path.read_text())["rows"]}
+    assert set(rows) == set(single_flight.CONFIGS)
+    assert rows["independent"]["restored per follower"] == 0  # both computed: publication at completion
+    assert rows["after_prefill"]["restored per follower"] > 0  # the follower waited for the leader's pages
+
+    single_flight.main(args + ["--scenario", "churn", "--evictions", "adaptive,lru"])
+    (path,) = tmp_path.glob("single_flight_churn-quick*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["eviction"] for row in rows] == ["adaptive", "lru"]
+    for row in rows:
+        assert row["errors"] == 0 and row["restored (distinct, expected 0)"] == 0
+        assert row["pages evicted"] > 0  # the distinct prompts overflowed the pool

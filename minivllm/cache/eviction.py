@@ -347,9 +347,7 @@ class Adaptive(EvictionPolicy):
             raise ValueError(f"recent_share must be in [0, 1] or None, got {recent_share!r}")
         self.capacity = capacity
         self.history_cap = max(1, round(history * capacity))
-        # None: ARC's p, adapted on ghost hits. A share: RECENT's target fixed at that share of the
-        # capacity (benchmarks/replay_sensitivity.py holds the adaptive split against fixed ones).
-        self.recent_share = recent_share
+        self.recent_share = recent_share  # None: the target is ARC's p, adapted on ghost hits
         self.target_recent = 0.0 if recent_share is None else recent_share * capacity
         self.age = 0.0  # LFU-DA's L: the priority of the latest frequent victim
         self._entries: dict[Hashable, _Entry] = {}
