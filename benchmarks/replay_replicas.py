@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.harness.results import DirtyTree, require_clean_tree
-from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine
+from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine, traces_missing
 from minivllm.cluster.routing import ROUTINGS, RoutingConfig
 from minivllm.replay import load_trace, replay_replicas
 
@@ -86,11 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
         out_name = "replay_replicas-DIRTY"
     policies = [x for x in args.policies.split(",") if x]
-    paths = {name: args.traces_dir / f"{name}.jsonl" for name in TRACES}
-    missing = [str(path) for path in paths.values() if not path.is_file()]
-    if missing:
-        print(f"error: trace files not found: {', '.join(missing)} (pass --traces-dir)", file=sys.stderr)
+    if traces_missing(args.traces_dir):
         return 2
+    paths = {name: args.traces_dir / f"{name}.jsonl" for name in TRACES}
 
     results = {}
     for name, path in tqdm(paths.items(), desc="traces"):

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.adversarial_traces import SUITE, windows
-from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine
+from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine, traces_missing
 from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import load_trace, replay
 
@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="two suite traces, one window, 1k blocks: a smoke test"
     )
     args = p.parse_args(argv)
-    missing = [t for t in TRACES if not (args.traces_dir / f"{t}.jsonl").is_file()]
-    if missing:
-        print(f"error: traces not found in {args.traces_dir}: {missing} (pass --traces-dir)", file=sys.stderr)
+    if traces_missing(args.traces_dir):
         return 2
     td = str(args.traces_dir)
     suite = list(SUITE) + [f"{t}@{i}/4" for t in TRACES for i in range(4)]

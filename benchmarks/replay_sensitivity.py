@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.replay_robustness import TRACES_DIR
-from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine
+from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine, traces_missing
 from minivllm.cache.eviction import Adaptive
 from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import load_trace, replay, replay_cache
@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
-    missing = [t for t in TRACES if not (args.traces_dir / f"{t}.jsonl").is_file()]
-    if missing:
-        print(f"error: traces not found in {args.traces_dir}: {missing} (pass --traces-dir)", file=sys.stderr)
+    if traces_missing(args.traces_dir):
         return 2
     td = str(args.traces_dir)
     near = [

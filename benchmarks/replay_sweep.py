@@ -62,6 +62,16 @@ def time_full_replays(requests, capacity: int) -> dict[str, float]:
     return seconds
 
 
+def traces_missing(traces_dir: Path) -> bool:
+    """True, after an error on stderr, if a shared trace is not in traces_dir."""
+    missing = [
+        str(traces_dir / f"{name}.jsonl") for name in TRACES if not (traces_dir / f"{name}.jsonl").is_file()
+    ]
+    if missing:
+        print(f"error: trace files not found: {', '.join(missing)} (pass --traces-dir)", file=sys.stderr)
+    return bool(missing)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces-dir", type=Path, default=REPO.parent / "shared" / "traces")
@@ -70,12 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     capacities = [int(c) for c in args.capacities.split(",")]
 
-    paths = {name: args.traces_dir / f"{name}.jsonl" for name in TRACES}
-    missing = [str(path) for path in paths.values() if not path.is_file()]
-    if missing:
-        print(f"error: trace files not found: {', '.join(missing)} (pass --traces-dir)", file=sys.stderr)
+    if traces_missing(args.traces_dir):
         return 2
-    traces = {name: load_trace(path) for name, path in paths.items()}
+    traces = {name: load_trace(args.traces_dir / f"{name}.jsonl") for name in TRACES}
 
     conversation = traces["mooncake_conversation_trace"]
     timing = time_full_replays(conversation, TIMING_CAPACITY)
