@@ -64,9 +64,8 @@ def time_full_replays(requests, capacity: int) -> dict[str, float]:
 
 def traces_missing(traces_dir: Path) -> bool:
     """True, after an error on stderr, if a shared trace is not in traces_dir."""
-    missing = [
-        str(traces_dir / f"{name}.jsonl") for name in TRACES if not (traces_dir / f"{name}.jsonl").is_file()
-    ]
+    paths = [traces_dir / f"{name}.jsonl" for name in TRACES]
+    missing = [str(path) for path in paths if not path.is_file()]
     if missing:
         print(f"error: trace files not found: {', '.join(missing)} (pass --traces-dir)", file=sys.stderr)
     return bool(missing)
