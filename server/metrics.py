@@ -33,6 +33,11 @@ _COUNTERS = (
     ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
     ("minivllm_engine_steps", "Engine steps", "steps"),
     (
+        "minivllm_replica_stats_reports",
+        "Engine stats reports received from the replica (replicas only)",
+        "stats_reports",
+    ),
+    (
         "minivllm_engine_steps_ahead",
         "Engine steps built and queued while the previous step still ran (overlap)",
         "steps_ahead",

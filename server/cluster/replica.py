@@ -16,6 +16,7 @@ class EngineReplica:
             logging.getLogger(name).setLevel(settings.log_level.upper())
         self.engine = await asyncio.to_thread(AsyncEngine, settings.engine_config())
         self.engine.start()  # the stepping thread delivers to this (the replica's) event loop
+        self.stats_reports = 0
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
@@ -28,8 +29,10 @@ class EngineReplica:
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size}
 
     def record_routing_stats(self) -> dict:
-        """Ray Serve polls this and hands it to the routers (the ingress's /metrics reads it there)."""
-        return dict(self.engine.stats_snapshot)
+        """Ray Serve polls this and hands it to the routers (the ingress's /metrics reads it there). The
+        report count tells a reader that the stats it sees are newer than an event it waits for."""
+        self.stats_reports += 1
+        return dict(self.engine.stats_snapshot) | {"stats_reports": self.stats_reports}
 
     def check_health(self) -> None:
         """Ray Serve replaces a replica whose engine thread has stopped."""
