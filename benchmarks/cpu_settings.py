@@ -49,7 +49,7 @@ class Probe:
     def prefill_with_decode(self) -> tuple[float, float]:
         """Prefill tok/s of a long prompt, and the longest gap (ms) between the tokens of a request
         decoding beside it."""
-        decoding = self.engine.add_request(f"bg{self.seed}", self.prompt(32), SamplingParams(max_tokens=10_000, ignore_eos=True))  # fmt: skip
+        decoding = self.engine.add_request(f"bg{self.seed}", self.prompt(32), SamplingParams(max_tokens=None, ignore_eos=True))  # fmt: skip
         while not decoding.output_token_ids:
             self.engine.step()
         long = self.engine.add_request(f"long{self.seed}", self.prompt(self.prompt_tokens), SamplingParams(max_tokens=1, ignore_eos=True))  # fmt: skip

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             {
                 "KV pool MiB": mib,
-                "pages": llm.engine.pool.num_pages,
+                "pages": llm.engine.kv.pool.num_pages,
                 "decode step ms (median)": f"{statistics.mean(samples):.1f} ± {statistics.pstdev(samples):.1f}",
             }
         )

@@ -39,15 +39,12 @@ def generate_main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    detok = tok.detokenizer
+    decode = tok.decode_stream()
     while engine.has_unfinished_requests():
         for out in engine.step():
-            for t in out.new_token_ids:
-                if t not in engine.eos_token_ids:
-                    detok.add_token(t)
-            print(detok.last_segment, end="", flush=True)
-    detok.finalize()
-    print(detok.last_segment, flush=True)
+            text = "".join(decode(t) or "" for t in out.new_token_ids if t not in engine.eos_token_ids)
+            print(text, end="", flush=True)
+    print(flush=True)
     return 0
 
 

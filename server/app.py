@@ -5,7 +5,6 @@ The same app is the Ray Serve ingress of `minivllm serve --replicas N`, given a 
 """
 
 import asyncio
-import functools
 import logging
 from contextlib import asynccontextmanager
 
@@ -14,15 +13,21 @@ from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
 from server import protocol as p
-from server.completions import ChatFormat, CompletionFormat, ServerState, generate, until_disconnect
+from server.completions import (
+    ChatFormat,
+    CompletionFormat,
+    ServerState,
+    generate,
+    protocol_names,
+    until_disconnect,
+)
 from server.engine_client import EngineClient
 from server.errors import APIError, error_response, install_error_handlers
 from server.gateway import GatewayMiddleware
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
 from server.settings import Settings
-from server.structured import chat_output, check_compiles
-from server.token_bytes import token_bytes_of
+from server.structured import chat_output
 from server.tools import ToolCalling
 
 logger = logging.getLogger(__name__)
@@ -62,18 +67,16 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
 
 def _state(settings: Settings, engine: EngineClient, metrics: Metrics) -> ServerState:
     tokenizer = engine.tokenizer
-    token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
     prompts = PromptBuilder(tokenizer, engine.max_model_len)
-    special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
     return ServerState(
         settings,
         engine,
         metrics,
         settings.served_model_name,
-        token_text,
+        tokenizer.token_text,
         prompts,
-        special,
-        token_bytes_of(tokenizer),
+        tokenizer.special_token_ids,
+        tokenizer.token_bytes,
     )
 
 
@@ -114,16 +117,19 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
         max_tokens = body.max_completion_tokens or body.max_tokens
         tools = ToolCalling.of(body, st.engine.tokenizer)
         template_tools = tools and tools.template_tools()
-        prompt = await until_disconnect(
-            request, lambda: st.prompts.chat(body.messages, max_tokens, template_tools)
-        )
         structured = chat_output(body, tools)
-        if structured is not None:
-            param = "tool_choice" if tools and tools.forced else "response_format"
-            await check_compiles(st.engine.grammars, structured, param)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        fmt = ChatFormat(st, body.logprobs, tools)
-        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
+        names = {
+            "prompt": "messages",
+            "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+            "structured_output": "tool_choice" if tools and tools.forced else "response_format",
+        }
+        with protocol_names(names):
+            prompt = await until_disconnect(
+                request, lambda: st.prompts.chat(body.messages, max_tokens, template_tools)
+            )
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            fmt = ChatFormat(st, body.logprobs, tools)
+            return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
@@ -131,9 +137,12 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
         st.check_model(body.model)
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        prompts = await until_disconnect(request, lambda: st.prompts.completion(body.prompt, body.max_tokens))
-        fmt = CompletionFormat(st.token_text, body.logprobs is not None)
-        return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
+        with protocol_names({}):
+            prompts = await until_disconnect(
+                request, lambda: st.prompts.completion(body.prompt, body.max_tokens)
+            )
+            fmt = CompletionFormat(st.token_text, body.logprobs is not None)
+            return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
 
 
 app = create_app()

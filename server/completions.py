@@ -8,7 +8,8 @@ stream, formatted by ChatFormat or CompletionFormat.
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -16,12 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.sequence import TokenLogprob
+from minivllm.engine.validation import RequestError
 from server import protocol as p
 from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body
 from server.generation import Delta, Generation
 from server.metrics import Metrics
-from server.prompts import PromptBuilder, context_length_error
+from server.prompts import PromptBuilder
 from server.settings import Settings
 from server.tools import ToolCalling, ToolCallStream, call_deltas
 
@@ -58,19 +60,15 @@ def sampling_params(
     body: p.GenerationRequest,
     max_tokens: int | None,
     logprobs: int | None,
-    prompt_len: int,
-    max_model_len: int,
     first_index: int,
     structured: StructuredOutput | None = None,
 ) -> list[SamplingParams]:
-    """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i)."""
-    room = max_model_len - prompt_len
-    if max_tokens is not None and max_tokens > room:
-        raise context_length_error(max_model_len, prompt_len, max_tokens, "max_tokens")
+    """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i).
+    max_tokens None: up to the end of the context (the engine checks what fits)."""
     try:
         return [
             SamplingParams(
-                max_tokens=max_tokens or max(room, 1),  # an over-long prompt is the engine's to refuse
+                max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=max(body.top_k, 0),
@@ -236,17 +234,9 @@ async def generate(
             f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
-    vocab_size = state.engine.vocab_size
-    if any(t >= vocab_size for t in body.token_bias):
-        raise APIError(
-            400, f"logit_bias: token ids must be below the vocabulary size {vocab_size}", param="logit_bias"
-        )
-    params, first = [], 0
-    for prompt in prompts:
-        params.append(
-            sampling_params(body, max_tokens, logprobs, len(prompt), state.max_model_len, first, structured)
-        )
-        first += body.n
+    params = [
+        sampling_params(body, max_tokens, logprobs, i * body.n, structured) for i in range(len(prompts))
+    ]
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
     gen = Generation(state.engine, rid, prompts, params, body.stop, state.metrics, hidden)
@@ -308,6 +298,21 @@ def _data(payload) -> str:
         else json.dumps(payload)
     )
     return f"data: {text}\n\n"
+
+
+@contextmanager
+def protocol_names(names: Mapping[str, str]):
+    """The engine's refusals (RequestError, in the engine's parameter names) as 400s that name the
+    request's own field: names maps engine parameter -> this protocol's field."""
+    try:
+        yield
+    except RequestError as e:
+        field = names.get(e.param, e.param)
+        message = e.message
+        # the message names the field too (clients often show only the message), except OpenAI's own wording
+        if field and e.code != "context_length_exceeded" and not message.startswith(field):
+            message = f"{field}: {message}"
+        raise APIError(400, message, param=field, code=e.code) from None
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable]):

@@ -2,15 +2,15 @@
 engine replicas (`server.cluster.remote_engine.RemoteEngine`)."""
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
-from minivllm.engine.grammar import GrammarCompiler
 from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.models.tokenizer import Tokenizer
 
 
 class EngineClient(Protocol):
-    tokenizer: Any  # mlx-lm TokenizerWrapper: chat template, encode, detokenizer
+    tokenizer: Tokenizer
 
     @property
     def is_running(self) -> bool: ...
@@ -21,16 +21,11 @@ class EngineClient(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """Compiles structured-output grammars (cached): the server checks a schema compiles before
-        it queues the request."""
-        ...
-
     def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raise ValueError / QueueFull before the first output if refused."""
+        """Stream a request's outputs; raise RequestError (minivllm.engine.validation) / QueueFull before
+        the first output if refused."""
         ...
 
     def replica_stats(self) -> dict[str | None, dict]:

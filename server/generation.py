@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tokenizers.decoders import DecodeStream
-
 from minivllm.engine.llm_engine import QueueFull, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.sequence import TokenLogprob
+from minivllm.engine.validation import RequestError
+from minivllm.models.tokenizer import Tokenizer
 from server.engine_client import EngineClient
 from server.errors import APIError
 
@@ -32,9 +32,8 @@ class TextStream:
     UTF-8 character, and keeps the first token's leading space, which a completion needs: "The quick
     brown" + " fox")."""
 
-    def __init__(self, tokenizer, stops: list[str], hidden: frozenset[int] = frozenset()):
-        self.tokenizer = tokenizer._tokenizer.backend_tokenizer  # the Rust tokenizer inside mlx-lm's wrapper
-        self.decoder = DecodeStream(skip_special_tokens=False)
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], hidden: frozenset[int] = frozenset()):
+        self.decode = tokenizer.decode_stream()
         self.hidden = hidden
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
@@ -45,7 +44,7 @@ class TextStream:
     def add(self, token_ids: list[int]) -> str:
         for t in token_ids:
             if t not in self.hidden:
-                self.text += self.decoder.step(self.tokenizer, t) or ""  # None: a character still incomplete
+                self.text += self.decode(t) or ""  # None: a character still incomplete
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -142,7 +141,8 @@ class Generation:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Submit every choice; return once each has its first output. Raises APIError if one is refused."""
+        """Submit every choice; return once each has its first output. Raises APIError (or the engine's
+        RequestError) if one is refused."""
         loop = asyncio.get_running_loop()
         for c in self.choices:
             c.started = loop.create_future()
@@ -236,7 +236,11 @@ class Generation:
         self.metrics.completion_tokens.inc(usage["completion_tokens"])
 
 
-def _api_error(e: BaseException) -> APIError:
+def _api_error(e: BaseException) -> Exception:
+    """A refusal as the HTTP error; the engine's RequestError goes up as it is, for the protocol to name
+    its parameter in its own words (server.core.protocol_names)."""
+    if isinstance(e, RequestError):
+        return e
     if isinstance(e, QueueFull):
         return APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(e, ValueError):

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from minivllm.engine.validation import RequestError, check_context_length
+from minivllm.models.tokenizer import Tokenizer
 from server import protocol as p
 from server.errors import APIError
 from server.tools import conversation
@@ -30,41 +32,21 @@ CHANGED_ACROSS_A_CUT = 8  # characters a normalizer may add or save across a cut
 CONTENT_MARK = "\ue000{}\ue001"  # stands for message content i in a rendering (private-use characters)
 
 
-def context_length_error(
-    max_model_len: int, prompt_tokens: int, max_tokens: int | None, param: str, *, at_least: bool = False
-) -> APIError:
-    """The 400 for a prompt (with its completion) longer than the context, in OpenAI's words."""
-    prompt = f"{'at least ' if at_least else ''}{prompt_tokens} in the prompt"
-    asked = (
-        f"{prompt_tokens + max_tokens} tokens ({prompt}, {max_tokens} for the completion)"
-        if max_tokens
-        else f"{'at least ' if at_least else ''}{prompt_tokens} tokens in the prompt and one for the completion"
-    )
-    return APIError(
-        400,
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested {asked}.",
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
 class PromptBuilder:
-    def __init__(self, tokenizer, max_model_len: int):
-        hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds transformers' own
-        if "sanitize_control_tokens" not in inspect.signature(hf_tokenizer.apply_chat_template).parameters:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        if "sanitize_control_tokens" not in inspect.signature(tokenizer.hf.apply_chat_template).parameters:
             raise RuntimeError(
                 "this transformers cannot keep control tokens in chat messages as plain text "
                 "(apply_chat_template(sanitize_control_tokens=...)); upgrade transformers"
             )
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        special = [t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values() if t.special]
+        special = tokenizer.special_tokens
         self.control_strings = re.compile("|".join(map(re.escape, special))) if special else None
         # no token covers more characters of normalized text than the longest vocabulary entry (byte-level
         # entries spell one character per byte), so a text of C such characters has at least C / this tokens
         self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.normalizer = getattr(backend, "normalizer", None)
+        self.normalizer = tokenizer.normalizer
         # templates that know no "developer" role would drop such a message: it is the system role renamed
         self.developer_role = "developer" if "developer" in str(tokenizer.chat_template or "") else "system"
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-prompts")
@@ -105,7 +87,7 @@ class PromptBuilder:
             text = self.tokenizer.apply_chat_template(
                 turns, tools=tools, add_generation_prompt=True, tokenize=False
             )
-            self._check_fits(text, max_tokens, "messages")
+            self._check_fits(text, max_tokens)
             contents = [t["content"] for t in turns if isinstance(t.get("content"), str)]
             if self.control_strings is None or not any(self.control_strings.search(c) for c in contents):
                 return self.tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template does
@@ -118,7 +100,7 @@ class PromptBuilder:
                     tokenize=True,
                     sanitize_control_tokens=True,
                 )
-        except APIError:
+        except (APIError, RequestError):
             raise
         except Exception as e:  # no template, or one that rejects these messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
@@ -152,17 +134,15 @@ class PromptBuilder:
     def _completion_ids(self, prompts: list, max_tokens: int | None) -> list[list[int]]:
         for x in prompts:
             if isinstance(x, str):
-                self._check_fits(x, max_tokens, "prompt")
+                self._check_fits(x, max_tokens)
         return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
 
-    def _check_fits(self, text: str, max_tokens: int | None, param: str) -> None:
+    def _check_fits(self, text: str, max_tokens: int | None) -> None:
         """Refuse, before tokenizing, a text that cannot fit the context with its completion."""
         room = self.max_model_len - (max_tokens or 1)
         if len(text) <= room * self.max_token_chars:
             return  # fits by this bound; the exact count, after tokenizing, decides
-        least = self.min_tokens(text)
-        if least > room:
-            raise context_length_error(self.max_model_len, least, max_tokens, param, at_least=True)
+        check_context_length(self.max_model_len, self.min_tokens(text), max_tokens, at_least=True)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens of text: no token covers more characters of the normalized text than

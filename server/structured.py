@@ -3,10 +3,9 @@ or JSON valid against a schema, strict or not), a forced tool call (`tool_choice
 function: one call whose arguments follow the function's schema), or, with tools on "auto" and a JSON
 response format, either of the two."""
 
-import asyncio
 import json
 
-from minivllm.engine.grammar import JSON_OPTIONS, GrammarCompiler
+from minivllm.engine.grammar import JSON_OPTIONS
 from minivllm.engine.sampling_params import StructuredOutput
 from server import protocol as p
 from server.errors import APIError
@@ -32,12 +31,3 @@ def chat_output(body: p.ChatCompletionRequest, calling: ToolCalling | None) -> S
     # tools on "auto": the answer is either that JSON or a call
     answer = json.dumps({**(schema or {"type": "object"}), "x-guidance": JSON_OPTIONS})
     return StructuredOutput(lark=f"start: answer | call\nanswer: %json {answer}\n{calling.call_grammar()}")
-
-
-async def check_compiles(grammars: GrammarCompiler, spec: StructuredOutput, param: str) -> None:
-    """Compile off the event loop (the engine reuses the cached result) so that a bad schema is a 400
-    naming the field it came from."""
-    try:
-        await asyncio.to_thread(grammars.matcher, spec)
-    except ValueError as e:
-        raise APIError(400, f"{param}: {e}", param=param) from None

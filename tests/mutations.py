@@ -38,6 +38,7 @@ class Mutation:
 
 
 SCHEDULER = "minivllm/engine/scheduler.py"
+KV_MANAGER = "minivllm/cache/kv_manager.py"
 KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
 MUTATIONS = [
@@ -53,7 +54,7 @@ MUTATIONS = [
     Mutation(
         "publish-uncomputed",
         "pages published before their KV is computed",
-        SCHEDULER,
+        KV_MANAGER,
         "full = min(seq.num_computed_tokens // self.page_size, len(hashes))",
         "full = len(hashes)",
         ("tests/test_prefix_cache.py",),
@@ -70,23 +71,23 @@ MUTATIONS = [
         "sampler-key-without-position",
         "the sampler's per-request key no longer depends on the token position",
         "minivllm/engine/sampler.py",
-        "mx.random.key((s.seed * 1_000_003 + len(s.token_ids)) % (1 << 63))",
+        "mx.random.key((s.seed * 1_000_003 + len(s.token_ids) + ahead) % (1 << 63))",
         "mx.random.key(s.seed % (1 << 63))",
         ("tests/test_engine.py",),
     ),
     Mutation(
         "admission-ignores-pinned-hits",
         "admission ignores the cache-hit pages it just pinned",
-        SCHEDULER,
-        "if need > self.pool.num_available() - pinned_now:",
-        "if need > self.pool.num_available():",
+        KV_MANAGER,
+        "if need > self.num_available() - taken_off_cache:",
+        "if need > self.num_available():",
         ("tests/test_prefix_cache.py",),
     ),
     # -- caught by the earlier suite -------------------------------------------------------------------------
     Mutation(
         "restore-one-page-more",
         "the restore rule restores one page more",
-        SCHEDULER,
+        KV_MANAGER,
         "seq.token_ids, (n - 1) // self.page_size)",
         "seq.token_ids, (n - 1) // self.page_size + 1)",
         ("tests/test_prefix_cache.py",),
@@ -94,7 +95,7 @@ MUTATIONS = [
     Mutation(
         "restore-one-page-less",
         "the restore rule restores one page less",
-        SCHEDULER,
+        KV_MANAGER,
         "seq.token_ids, (n - 1) // self.page_size)",
         "seq.token_ids, (n - 1) // self.page_size - 1)",
         ("tests/test_prefix_cache.py",),
@@ -103,8 +104,8 @@ MUTATIONS = [
         "abort-keeps-pages",
         "an aborted request's pages are not released",
         SCHEDULER,
-        "        self._release_pages(seq)\n        if seq.status == SequenceStatus.RUNNING:",
-        '        if reason != "abort":\n            self._release_pages(seq)\n'
+        "        self.kv.release(seq)\n        if seq.status == SequenceStatus.RUNNING:",
+        '        if reason != "abort":\n            self.kv.release(seq)\n'
         "        if seq.status == SequenceStatus.RUNNING:",
         ("tests/test_engine.py", "tests/test_single_flight.py"),
     ),
@@ -225,8 +226,8 @@ MUTATIONS = [
         "never-fitting-request-preempts",
         "a request that can never fit preempts the others before it is stopped",
         SCHEDULER,
-        "if need > self.pool.num_available() and self._stop_if_it_never_fits(seq):",
-        "if need > self.pool.num_available() and len(self.running) == 1 and self._stop_if_it_never_fits(seq):",
+        "if need > self.kv.num_available() and self._stop_if_it_never_fits(seq):",
+        "if need > self.kv.num_available() and len(self.running) == 1 and self._stop_if_it_never_fits(seq):",
         ("tests/test_preemption.py",),
     ),
     Mutation(
@@ -504,11 +505,21 @@ def run_tests(root: Path, args: tuple[str, ...], timeout: float) -> tuple[bool, 
     return False, failed[0] if failed else f"pytest exit {proc.returncode}: {proc.stdout[-300:]}"
 
 
+def applies(mutation: Mutation, root: Path = REPO) -> bool:
+    """Whether the mutation's source text is in its file exactly once (else it is stale)."""
+    path = root / mutation.path
+    return path.is_file() and path.read_text().count(mutation.old) == 1
+
+
+def stale_mutations(root: Path = REPO) -> list[str]:
+    return [m.name for m in MUTATIONS if not applies(m, root)]
+
+
 def check(mutation: Mutation, root: Path, timeout: float) -> Outcome:
+    if not applies(mutation, root):
+        return Outcome(mutation, "stale", f"{mutation.path}: text not found exactly once")
     path = root / mutation.path
     source = path.read_text()
-    if source.count(mutation.old) != 1:
-        return Outcome(mutation, "stale", f"{mutation.path}: text not found exactly once")
     start = time.monotonic()
     try:
         path.write_text(source.replace(mutation.old, mutation.new))

@@ -51,11 +51,11 @@ class ServerThread:
         """Poll until no request holds pages, then check the pool's invariants."""
         deadline = time.monotonic() + timeout
         eng = self.engine
-        while eng.requests or eng.pool.num_in_use:
+        while eng.requests or eng.kv.pool.num_in_use:
             assert time.monotonic() < deadline, f"engine not idle: {len(eng.requests)} requests"
             time.sleep(0.02)
         time.sleep(0.05)  # let the stepping thread finish its bookkeeping
-        assert eng.pool.num_in_use == 0
+        assert eng.kv.pool.num_in_use == 0
         eng.check_invariants()
 
 

@@ -141,8 +141,7 @@ def test_default_model_calls_a_tool_on_its_own(default_server):
 def test_control_strings_in_chat_content_cost_their_plain_text_tokens_on_qwen():
     """Qwen's BPE merges across a control string's edge ("hello <" is one merge away from plain text), so
     content must be tokenized as one plain text, not as pieces around each control string."""
-    from mlx_lm.utils import load_tokenizer
-
+    from minivllm.models.loader import load_tokenizer
     from server.prompts import PromptBuilder
 
     tokenizer = load_tokenizer(default_model_dir())

@@ -68,7 +68,7 @@ def test_preemption_recomputes_and_matches_mlx_lm(tiny_model_dir, reference):
     outputs = run_all(llm, prompts, 60)
     assert llm.engine.stats()["preemptions"] > 0
     assert outputs == [reference.greedy(p, 60) for p in prompts]
-    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_pages
 
 
 def test_every_page_returns_after_finished_aborted_and_preempted(tiny_model_dir):
@@ -95,7 +95,7 @@ def test_every_page_returns_after_finished_aborted_and_preempted(tiny_model_dir)
             engine.abort_request("r5")  # may be waiting or running
     assert not engine.has_unfinished_requests()
     assert engine.stats()["preemptions"] > 0
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.kv.pool.num_free == engine.kv.pool.num_pages
 
 
 def test_prefix_cached_pages_are_not_leaked(tiny_model_dir):
@@ -106,8 +106,8 @@ def test_prefix_cached_pages_are_not_leaked(tiny_model_dir):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_invariants()
-    assert engine.pool.num_in_use == 0
-    assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_pages
+    assert engine.kv.pool.num_in_use == 0
+    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.pool.num_pages
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir,
     engine.add_request("warm", warm, greedy(4))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.pool.num_cached > 0
+    assert engine.kv.pool.num_cached > 0
     real_forward = runner_module.forward
 
     def broken_forward(*args):
@@ -237,7 +237,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir,
     ]
     monkeypatch.setattr(runner_module, "forward", real_forward)
     engine.check_invariants()
-    assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_pages  # cache forgotten
+    pages = engine.kv.state()
+    assert pages.cached == 0 and pages.free == pages.total  # cache forgotten
     seq = engine.add_request("b", warm, greedy(8))
     while engine.has_unfinished_requests():
         engine.step()

@@ -49,7 +49,7 @@ async def until_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
     """Wait until the engine holds no request and no page, then check the pool's invariants."""
     eng = engine.engine
     deadline = time.monotonic() + timeout
-    while eng.requests or eng.pool.num_in_use:
+    while eng.requests or eng.kv.pool.num_in_use:
         assert time.monotonic() < deadline, f"engine not idle: {list(eng.requests)}"
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)  # the stepping thread finishes its bookkeeping
@@ -102,11 +102,11 @@ async def test_a_cancelled_request_is_aborted_wherever_it_waits(tiny_model_dir, 
 # itself, which handles its own faults: the stepping loop's last resort must hold anyway.
 FAULT_SITES = {
     "schedule": ("scheduler", "schedule"),
-    "admission": ("pool", "allocate"),
+    "admission": ("kv", "admit"),
     "model run": ("runner", "launch"),
     "readback": ("runner", "collect"),
     "postprocess": ("scheduler", "postprocess"),
-    "publication": ("pool", "publish"),
+    "publication": ("kv", "publish"),
     "whole step": (None, "step"),
 }
 
@@ -175,7 +175,7 @@ def test_a_fault_after_requests_finished_reports_every_request_of_the_step(tiny_
     ]
     assert not engine.has_unfinished_requests()
     engine.check_invariants()
-    assert engine.pool.num_in_use == 0
+    assert engine.kv.pool.num_in_use == 0
     for rid in ("short", "long"):
         with pytest.raises(KeyError, match="unknown"):
             engine.abort_request(rid)
@@ -189,5 +189,29 @@ def test_an_abort_of_a_request_that_already_finished_in_this_step_is_harmless(ti
     engine.abort_request("a")
     (out,) = engine.step()
     assert (out.request_id, out.finish_reason) == ("a", "stop")
-    assert not engine.has_unfinished_requests() and engine.pool.num_in_use == 0
+    assert not engine.has_unfinished_requests() and engine.kv.pool.num_in_use == 0
     engine.check_invariants()
+
+
+async def test_a_duplicate_id_is_refused_even_while_the_first_compiles_its_grammar(tiny_model_dir):
+    """The first request's grammar compiles off the loop: a second request with its id, arriving
+    meanwhile, must be refused at once, and the first must still finish (it once hung)."""
+    from minivllm.engine.sampling_params import StructuredOutput
+    from minivllm.engine.validation import RequestError
+
+    engine = make_engine(tiny_model_dir)
+    async_engine = AsyncEngine(engine=engine)
+    async_engine.start()
+    try:
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        params = SamplingParams(max_tokens=40, structured_output=StructuredOutput(json_schema=schema))
+        first = asyncio.ensure_future(collect(async_engine, "same", [1, 2, 3], params))
+        await asyncio.sleep(0)  # the first has registered its id and awaits the compile
+        with pytest.raises(RequestError, match="duplicate") as refused:
+            await collect(async_engine, "same", [4, 5, 6], greedy(4))
+        assert refused.value.param == "request_id"
+        outputs = await asyncio.wait_for(first, 60)
+        assert outputs[-1].finished and outputs[-1].finish_reason in ("stop", "length")
+        await until_idle(async_engine)
+    finally:
+        async_engine.shutdown()

@@ -12,7 +12,6 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.tokenizer_utils import load as load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
 import minivllm.models.default_model as dm
@@ -24,6 +23,7 @@ from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.sequence import Sequence
 from minivllm.models import loader
 from minivllm.models.gguf_import import conversion_temp_prefixes
+from minivllm.models.loader import load_tokenizer
 from server.prompts import PromptBuilder
 from tests.server_thread import ServerThread, assert_error, tiny_settings
 from tests.tiny_model import make_tiny_model
@@ -298,7 +298,7 @@ def test_engine_admission_counts_free_running_slots(tiny_model_dir):
 def test_context_is_clamped_to_what_the_pool_holds(tiny_model_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="minivllm"):
         engine = LLMEngine(EngineConfig(str(tiny_model_dir), kv_cache_bytes=256 << 10))
-    pool_tokens = engine.pool.num_pages * engine.pool.page_size
+    pool_tokens = engine.kv.pool.num_pages * engine.kv.pool.page_size
     assert pool_tokens < 2048 and engine.max_model_len == pool_tokens
     assert f"max_model_len 2048 is more than the KV pool holds for one sequence ({pool_tokens}" in caplog.text
 
@@ -338,9 +338,12 @@ def test_chat_prompt_keeps_only_the_templates_control_tokens(tiny_model_dir):
 
 
 def test_a_transformers_that_cannot_sanitize_is_refused_at_startup():
-    class OldTokenizer:
+    class OldHFTokenizer:
         def apply_chat_template(self, conversation, add_generation_prompt=False, tokenize=True):
             raise AssertionError("never called")
+
+    class OldTokenizer:
+        hf = OldHFTokenizer()
 
     with pytest.raises(RuntimeError, match="upgrade transformers"):
         PromptBuilder(OldTokenizer(), 2048)

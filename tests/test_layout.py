@@ -170,6 +170,40 @@ def test_the_single_process_server_never_imports_ray():
     assert out.stdout.strip() == "2 []"
 
 
+POOL_INTERNALS = {"pool", "refcount", "page_hash", "page_tokens", "children", "policy"}
+
+
+def test_the_engine_reaches_kv_pages_only_through_the_kv_manager():
+    """minivllm.cache.kv_manager owns page tables, refcounts, the prefix index and eviction: no module of
+    minivllm.engine imports the pool or the policies, reads a pool attribute, or writes a page table."""
+    modules = module_files(REPO, ("minivllm", "kernels"))
+    for name, path in modules.items():
+        if not name.startswith("minivllm.engine"):
+            continue
+        imported = imports_of(name, path, modules)
+        assert not imported & {"minivllm.cache.page_pool", "minivllm.cache.eviction"}, name
+        tree = ast.parse(path.read_text())
+        read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not read & POOL_INTERNALS, f"{name} reads {sorted(read & POOL_INTERNALS)}"
+        written = [
+            t
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and t.attr == "page_table"
+        ]
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Attribute)
+            and n.func.value.attr == "page_table"
+            and n.func.attr in ("append", "extend", "pop", "clear", "insert")
+        ]
+        assert not written and not calls, f"{name} changes a page table (the KV manager's job)"
+
+
 # -- the checker itself, on synthetic trees ----------------------------------------------------------------
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():

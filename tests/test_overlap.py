@@ -32,7 +32,7 @@ def run(engine: LLMEngine, requests: dict, after_step=lambda engine: None) -> di
             seen[out.request_id] = (tokens, logprobs, out.finish_reason)
         engine.check_invariants()
         after_step(engine)
-    assert engine.pool.num_in_use == 0
+    assert engine.kv.pool.num_in_use == 0
     return seen
 
 
@@ -82,7 +82,7 @@ def test_an_abort_while_the_next_step_is_in_flight_delivers_nothing_more(tiny_mo
     assert tokens["a"] == reference.greedy(a, 40)[: len(tokens["a"])]
     assert tokens["b"] == reference.greedy(b, 12)
     engine.check_invariants()
-    assert engine.pool.num_in_use == 0
+    assert engine.kv.pool.num_in_use == 0
 
 
 def test_a_request_that_arrives_is_admitted_in_the_next_scheduled_step(tiny_model_dir, reference):

@@ -77,7 +77,7 @@ def test_a_request_that_can_never_fit_is_stopped_without_preempting_the_others(t
     # LLMEngine clamps its context to what the pool holds (192 tokens here), so through it no request can
     # outgrow the pool; the scheduler's own guard is checked with the model's whole context, unclamped.
     assert engine.max_model_len == 12 * 16
-    engine.scheduler.max_model_len = 2048
+    engine.max_model_len = engine.scheduler.max_model_len = 2048
     big, *small = random_prompts([120, 17, 17], seed=5)
     giant = engine.add_request("giant", big, greedy(300))
     others = [engine.add_request(f"small-{i}", p, greedy(14)) for i, p in enumerate(small)]
@@ -91,4 +91,4 @@ def test_a_request_that_can_never_fit_is_stopped_without_preempting_the_others(t
     assert engine.stats()["preemptions"] == 0
     assert giant.output_token_ids == reference.greedy(big, 9)
     assert [s.output_token_ids for s in others] == [reference.greedy(p, 14) for p in small]
-    assert engine.pool.num_in_use == 0
+    assert engine.kv.pool.num_in_use == 0

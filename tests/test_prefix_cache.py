@@ -70,7 +70,7 @@ def test_incremental_publication_serves_a_request_that_is_still_decoding(tiny_mo
     assert second.num_cached_tokens == 96
     # both share the same physical pages for the prefix
     assert second.page_table[:6] == first.page_table[:6]
-    assert all(engine.pool.refcount[p] == 2 for p in first.page_table[:6])
+    assert all(engine.kv.pool.refcount[p] == 2 for p in first.page_table[:6])
     run(engine, check=True)
 
 
@@ -101,7 +101,7 @@ def test_small_pool_evicts_only_unreferenced_pages(tiny_model_dir):
     run(engine, check=True)
     stats = engine.stats()
     assert stats["pages_evicted"] > 0
-    pool = engine.pool
+    pool = engine.kv.pool
     assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages
 
 
@@ -246,7 +246,7 @@ def test_admission_with_many_hits_in_a_nearly_full_pool_waits_for_room(tiny_mode
     engine = make_engine(tiny_model_dir, kv_cache_bytes=16 * PAGE_BYTES, eviction="lru")
     cached_prompt, running_prompt, extension = random_prompts([160, 40, 56], seed=10)
     generate(engine, "first", cached_prompt, n=1)
-    assert engine.pool.num_cached == 10
+    assert engine.kv.pool.num_cached == 10
     running = engine.add_request("running", running_prompt, greedy(30))
     engine.step()
     long_prompt = cached_prompt + extension
@@ -292,5 +292,5 @@ def test_concurrent_long_prompts_through_a_small_pool_leave_nothing_unreachable(
         assert stats["pages_unreachable"] == 0  # check_invariants asserts it too (prefix-aware policy)
     else:
         assert stats["pages_unreachable"] > 0  # LRU gives up heads: the workload does strand pages
-    pool = engine.pool
+    pool = engine.kv.pool
     assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages

@@ -377,7 +377,7 @@ def test_metrics_move(server, client):
     ):
         assert after[name] > before.get(name, 0), name
     assert after["minivllm_prefix_cache_hits_total"] > 0  # LONG_PROMPT ran before
-    assert after["minivllm_pages_total"] == server.engine.pool.num_pages
+    assert after["minivllm_pages_total"] == server.engine.kv.pool.num_pages
     for name in (
         "minivllm_pages_free",
         "minivllm_pages_cached",

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from llguidance import LLMatcher
 
 from minivllm.config import EngineConfig
-from minivllm.engine.grammar import GrammarCompiler
 from minivllm.engine.llm_engine import LLMEngine, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,6 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
-    @property
-    def grammars(self) -> GrammarCompiler:
-        return self.engine.grammars
-
     def replica_stats(self) -> dict[str | None, dict]:
         """The engine's latest stats; one process is one unnamed replica (the server's common view of
         a single engine and of several behind a router)."""
@@ -92,21 +88,21 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises ValueError / QueueFull before the first output if refused.
+        """Stream a request's outputs. Raises RequestError / QueueFull before the first output if refused.
         Closing the iterator early (client gone) aborts the request and releases its pages."""
         if request_id in self._streams:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise RequestError(f"duplicate request id {request_id!r}", param="request_id")
         if not self.is_running:
             raise RuntimeError("engine is not running")
-        matcher = None
-        if params.structured_output is not None:  # compiled in a worker, never on the stepping thread
-            matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[request_id] = stream  # before any await: a second request with this id is refused
         accepted = self._loop.create_future()
-        self._inbox.put(_Add(request_id, prompt, params, matcher, accepted))
         finished = False
         try:
+            matcher = None
+            if params.structured_output is not None:  # compiled in a worker, never on the stepping thread
+                matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)
+            self._inbox.put(_Add(request_id, prompt, params, matcher, accepted))
             await accepted  # re-raises the engine's validation error
             while True:
                 out: RequestOutput = await stream.get()

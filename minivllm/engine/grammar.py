@@ -20,6 +20,7 @@ from llguidance import LLMatcher
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from minivllm.engine.sampling_params import StructuredOutput
+from minivllm.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +59,34 @@ class GrammarCompiler:
             return self._tokenizer
 
     def matcher(self, spec: StructuredOutput) -> LLMatcher:
-        """A fresh matcher at the start of spec's grammar. Raises ValueError for an invalid grammar."""
-        return self._compiled(grammar_text(spec)).deep_copy()
+        """A fresh matcher at the start of spec's grammar. Raises RequestError (param structured_output)
+        for a grammar that cannot be built, or followed even to its first token."""
+        try:
+            text = grammar_text(spec)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise _grammar_error(e) from None
+        return self._compiled(text).deep_copy()
 
     def _compile(self, grammar: str) -> LLMatcher:
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        try:
+            matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise _grammar_error(e) from None
+        if not matcher.is_error():  # some limits only show at the first mask (llguidance's "too many items")
+            fill_next_token_bitmask(matcher.deep_copy(), allocate_token_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            raise ValueError(f"invalid grammar: {matcher.get_error()}")
+            raise _grammar_error(matcher.get_error())
         return matcher
+
+
+MAX_ERROR_CHARS = 300  # llguidance's errors can carry its whole parser state: keep the cause
+
+
+def _grammar_error(cause) -> RequestError:
+    first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if len(first_line) > MAX_ERROR_CHARS:
+        first_line = first_line[:MAX_ERROR_CHARS] + "..."
+    return RequestError(f"invalid grammar: {first_line}", param="structured_output")
 
 
 @dataclass

@@ -7,18 +7,18 @@ one thread (the caller's, or the async engine's stepping thread).
 import logging
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llguidance import LLMatcher
 
-from minivllm.cache.eviction import make_policy
-from minivllm.cache.page_pool import PagePool, PoolCounters
+from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
 from minivllm.engine.model_runner import KVGeometry, LaunchedStep, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.validation import RequestError, check_context_length, check_logit_bias, check_prompt_ids
 from minivllm.models.backend import detect_backend
 from minivllm.models.loader import activation_dtype, load_model
 
@@ -57,16 +57,15 @@ class LLMEngine:
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
         self.num_pages = num_pages = self._num_pages(geometry)
-        self.pool = self._new_pool()
+        self.kv = KVManager(num_pages, config.page_size, config.eviction, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
         self.mask_counters = MaskCounters()
         self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size, self.mask_counters)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
-            config, self.pool, self.eos_token_ids, self.max_model_len, self.mask_counters
+            config, self.kv, self.eos_token_ids, self.max_model_len, self.mask_counters
         )
-        # tokenizer._tokenizer: the Hugging Face tokenizer inside mlx-lm's wrapper
-        self.grammars = GrammarCompiler(self.tokenizer._tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # queued on the device, completed by the next step()
         self.num_steps = 0
@@ -118,14 +117,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         matcher: LLMatcher | None = None,
     ) -> Sequence:
-        """matcher: params.structured_output compiled by `self.grammars.matcher` off this thread (the
-        async engine does); without it, a structured-output request compiles here."""
+        """Validate and queue a request (RequestError names the parameter at fault). matcher:
+        params.structured_output compiled by `self.grammars.matcher` off this thread (the async engine
+        does); without it, a structured-output request compiles here."""
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise RequestError(f"duplicate request id {request_id!r}", param="request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
-        self._validate_params(params)
+        params = self.validate(token_ids, params)
         if self.scheduler.num_queued() >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         if params.structured_output is not None and matcher is None:
@@ -136,24 +135,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} "
-                "(including at least one generated token)"
-            )
-        pages = -(-(len(token_ids) + 1) // self.config.page_size)
-        if pages > self.pool.num_pages:
-            raise ValueError(f"prompt needs {pages} KV pages; the pool has {self.pool.num_pages}")
-
-    def _validate_params(self, params: SamplingParams) -> None:
-        bad = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[0]}")
+    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Every rule a request must pass (minivllm.engine.validation); the params with max_tokens
+        resolved (None: up to the context's end)."""
+        check_prompt_ids(token_ids, self.vocab_size)
+        check_context_length(self.max_model_len, len(token_ids), params.max_tokens)
+        check_logit_bias(params.logit_bias, self.vocab_size)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(token_ids))
+        return params
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -177,21 +167,21 @@ class LLMEngine:
         self.scheduler.step_seqs = list(step.seqs) if step else []
         try:
             if step is None:
-                seqs, num_tokens = self.scheduler.schedule()
-                step = self.runner.launch(seqs, num_tokens) if seqs else None
+                scheduled = self.scheduler.schedule()
+                step = self.runner.launch(scheduled.seqs, scheduled.num_tokens) if scheduled else None
             if step is None:
                 return self._collect(outputs)
             if self.overlap:
-                ahead = self.scheduler.schedule_ahead(step.seqs, step.num_tokens)
+                ahead = self.scheduler.schedule_ahead(ScheduledStep(step.seqs, step.num_tokens))
                 if ahead:
-                    self.in_flight = self.runner.launch(ahead, [1] * len(ahead), after=step)
+                    self.in_flight = self.runner.launch(ahead.seqs, ahead.num_tokens, after=step)
                     self.num_steps_ahead += 1
             step_outputs = self.runner.collect(step)
             self.num_steps += 1
             # a request that ended while its step was in flight (aborted, or by its previous token) drops it
             kept = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]
             seqs, outs = [step.seqs[i] for i in kept], [step_outputs[i] for i in kept]
-            self.scheduler.postprocess(seqs, [step.num_tokens[i] for i in kept], outs)
+            self.scheduler.postprocess(ScheduledStep(seqs, [step.num_tokens[i] for i in kept]), outs)
             for seq, out in zip(seqs, outs):
                 if out.token is not None:
                     logprobs = [out.logprob] if out.logprob else []
@@ -208,8 +198,9 @@ class LLMEngine:
         other running requests are requeued to recompute, and the pool and the KV start afresh."""
         detail = f"{type(error).__name__}: {error}"
         self.in_flight = None  # its graph writes into the KV pools dropped below
+        # a fresh pool first: nothing is released through the broken one (page tables are forgotten)
+        self.kv.reset(seqs + self.scheduler.running)
         for seq in seqs:
-            seq.page_table = []  # the pool is rebuilt below: nothing is released through it
             seq.finish_detail = detail
             try:
                 self.scheduler.finish(seq, "error")
@@ -218,9 +209,7 @@ class LLMEngine:
             # also when it finished earlier in the faulted step: its last output was lost
             seq.finish_reason = "error"
         for seq in reversed(self.scheduler.running):  # newest first, so the oldest ends up first in line
-            seq.page_table = []
             self.scheduler.requeue(seq)
-        self.pool = self.scheduler.pool = self._new_pool(self.pool.counters)
         self.runner.reset_kv()
         return self._collect({})
 
@@ -232,13 +221,6 @@ class LLMEngine:
             outputs.setdefault(seq.request_id, self._output(seq, []))
         self.scheduler.finished.clear()
         return list(outputs.values())
-
-    def _new_pool(self, counters: PoolCounters | None = None) -> PagePool:
-        pool = PagePool(
-            self.num_pages, self.config.page_size, make_policy(self.config.eviction, self.num_pages)
-        )
-        pool.counters = counters or pool.counters
-        return pool
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs=()) -> RequestOutput:
         return RequestOutput(
@@ -258,23 +240,17 @@ class LLMEngine:
         )
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants()
-        in_use = sum(self.pool.refcount)
-        held = sum(len(s.page_table) for s in self.scheduler.running)
-        assert in_use == held, f"pages referenced {in_use} != pages held by running requests {held}"
-        free = set(self.pool.free)
-        for seq in self.scheduler.running:
-            assert not free.intersection(seq.page_table), f"{seq.request_id} holds a free page"
+        self.kv.check_invariants(self.scheduler.running)
 
     def stats(self) -> dict:
-        c, p = self.scheduler.counters, self.pool.counters
+        c, p, pages = self.scheduler.counters, self.kv.counters, self.kv.state()
         stats = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "pages_total": self.pool.num_pages,
-            "pages_free": self.pool.num_free,
-            "pages_cached": self.pool.num_cached,
-            "pages_in_use": self.pool.num_in_use,
+            "pages_total": pages.total,
+            "pages_free": pages.free,
+            "pages_cached": pages.cached,
+            "pages_in_use": pages.in_use,
             "prefix_lookups": c.lookups,
             "prefix_query_tokens": c.query_tokens,
             "prefix_hit_tokens": c.hit_tokens,

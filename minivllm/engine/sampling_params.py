@@ -28,7 +28,7 @@ class StructuredOutput:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: up to the end of the context
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -48,7 +48,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from minivllm.cache.page_pool import PagePool
+from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import MaskCounters, advance
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -30,18 +30,28 @@ class CacheCounters:
     preemptions: int = 0
 
 
+@dataclass
+class ScheduledStep:
+    """What one step computes: num_tokens[i] new tokens of seqs[i] (decode tokens and prefill chunks)."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
 class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        pool: PagePool,
+        kv: KVManager,
         eos_token_ids: set[int],
         max_model_len: int,
         mask_counters: MaskCounters,
     ):
         self.config = config
-        self.pool = pool
-        self.page_size = pool.page_size
+        self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -64,7 +74,7 @@ class Scheduler:
         return max(0, len(self.waiting) - free_slots)
 
     # -- scheduling ---------------------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Sequence], list[int]]:
+    def schedule(self) -> ScheduledStep:
         budget = self.config.max_num_batched_tokens
         # The step's requests, the one being scheduled last: what the engine fails if this step faults.
         self.step_seqs = seqs = []
@@ -95,18 +105,19 @@ class Scheduler:
                 n = min(seq.num_uncomputed_tokens, budget)
                 num_tokens.append(n)
                 budget -= n
-        return list(seqs), num_tokens
+        return ScheduledStep(list(seqs), num_tokens)
 
-    def schedule_ahead(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Sequence]:
-        """The requests of the next step, chosen while the step of (seqs, num_tokens) still runs: each
+    def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep:
+        """The requests of the next step (one decode token each), chosen while `step` still runs: each
         goes on with the token that step samples for it, unknown on the host yet. Only when that is all
         the next step would do: nobody waits, every running request is in the step and samples a token
         in it, none needs that token on the host (a grammar's mask, penalties' counts), and each gets its
-        page without preempting anyone; else [] and the next step is scheduled as usual. A request whose
-        token turns out to end it computes one token more than it needs, which is dropped."""
-        live = [(seq, n) for seq, n in zip(seqs, num_tokens) if not seq.is_finished]
+        page without preempting anyone; else an empty step and the next step is scheduled as usual. A
+        request whose token turns out to end it computes one token more than it needs, which is dropped."""
+        none = ScheduledStep([], [])
+        live = [(seq, n) for seq, n in zip(step.seqs, step.num_tokens) if not seq.is_finished]
         if self.waiting or len(live) != len(self.running):
-            return []
+            return none
         ahead = []
         for seq, n in live:
             if (
@@ -114,51 +125,41 @@ class Scheduler:
                 or seq.matcher is not None
                 or seq.params.penalized
             ):
-                return []
+                return none
             if not self._reached_length_limit(seq, len(seq.token_ids) + 1):
                 ahead.append(seq)  # else the running step's token is its last for sure
         # its KV goes after the running step's token: len(token_ids) + 1 tokens in all
-        need = [self._pages_short(seq, len(seq.token_ids) + 1) for seq in ahead]
-        if sum(need) > self.pool.num_available():
-            return []
-        for seq, k in zip(ahead, need):
-            self._grow(seq, k)
+        need = [max(0, self.kv.pages_short(seq, len(seq.token_ids) + 1)) for seq in ahead]
+        if sum(need) > self.kv.num_available():
+            return none
+        for seq in ahead:
+            self.kv.grow(seq, len(seq.token_ids) + 1)
         self.step_seqs.extend(ahead)
-        return ahead
+        return ScheduledStep(ahead, [1] * len(ahead))
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
-        need = self._pages_short(seq, num_tokens)
-        if need > self.pool.num_available() and self._stop_if_it_never_fits(seq):
+        need = self.kv.pages_short(seq, num_tokens)
+        if need > self.kv.num_available() and self._stop_if_it_never_fits(seq):
             return False
-        while need > self.pool.num_available():
+        while need > self.kv.num_available():
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
                 return False
-        self._grow(seq, need)
+        self.kv.grow(seq, num_tokens)
         return True
-
-    def _pages_short(self, seq: Sequence, num_tokens: int) -> int:
-        """Pages seq lacks to hold num_tokens (<= 0: none)."""
-        return -(-num_tokens // self.page_size) - len(seq.page_table)
-
-    def _grow(self, seq: Sequence, need: int) -> None:
-        if need > 0:
-            seq.page_table.extend(
-                self.pool.allocate(need, after=seq.page_table[-1] if seq.page_table else None)
-            )
 
     def _stop_if_it_never_fits(self, seq: Sequence) -> bool:
         """A request whose longest possible context needs more pages than the whole pool would push every
         other request out and still be cut short: stop it now, before it preempts anyone."""
         max_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-        pages = -(-(max_len - 1) // self.page_size)  # the last sampled token never gets KV
-        if pages <= self.pool.num_pages:
+        pages = self.kv.pages_for(max_len - 1)  # the last sampled token never gets KV
+        if pages <= self.kv.num_pages:
             return False
         seq.finish_detail = (
             f"stopped at {len(seq.token_ids)} tokens: up to {max_len} tokens need {pages} KV pages and "
-            f"the pool has {self.pool.num_pages}"
+            f"the pool has {self.kv.num_pages}"
         )
         logger.warning("request %s %s", seq.request_id, seq.finish_detail)
         self.finish(seq, "length")
@@ -166,29 +167,18 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Restore the longest cached prefix, allocate pages for the rest of the prompt, start running."""
-        n = len(seq.token_ids)
-        hits: list[int] = []
-        if self.config.enable_prefix_caching:
-            hashes = seq.full_page_hashes(self.page_size)
-            # the last prompt token is always computed, for its logits: restore at most floor((N-1)/P) pages
-            hits = self.pool.lookup(hashes, seq.token_ids, (n - 1) // self.page_size)
-        need = -(-n // self.page_size) - len(hits)
-        pinned_now = sum(1 for p in hits if self.pool.refcount[p] == 0)  # acquiring takes them off the cache
-        if need > self.pool.num_available() - pinned_now:
+        restored = self.kv.admit(seq)
+        if restored is None:
             return False
-        self.pool.acquire(hits)
-        seq.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
-        seq.num_computed_tokens = len(hits) * self.page_size
-        seq.publish_cursor = len(hits)
         seq.status = SequenceStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
         # Usage and hit counters count prompt tokens restored at first admission only: a readmitted
         # request restores what it lost to preemption (its generated tokens too), not a prompt cache hit.
         if self.config.enable_prefix_caching and seq.num_admissions == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_cached_tokens = restored
             self.counters.lookups += 1
-            self.counters.query_tokens += n
+            self.counters.query_tokens += len(seq.token_ids)
             self.counters.hit_tokens += seq.num_cached_tokens
         seq.num_admissions += 1
         return True
@@ -203,24 +193,24 @@ class Scheduler:
         """Free seq's pages and put it first in the waiting queue."""
         if self.flights and self.flights.is_open_leader(seq):
             self.flights.hand_over(seq)
-        self._release_pages(seq)
+        self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     # -- after the step ---------------------------------------------------------------------------------
-    def postprocess(self, seqs: list[Sequence], num_tokens: list[int], new_tokens: list) -> None:
+    def postprocess(self, step: ScheduledStep, new_tokens: list) -> None:
         """Record what the evaluated step computed; publish pages; finish requests that are done."""
         incremental = self.config.publication == "incremental"
-        for seq, n, out in zip(seqs, num_tokens, new_tokens):
+        for seq, n, out in zip(step.seqs, step.num_tokens, new_tokens):
             was_prefill = seq.in_prefill
             prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_prompt_tokens += prompt_part
             self.counters.computed_prompt_tokens += prompt_part
             seq.num_computed_tokens += n
             release = was_prefill and not seq.in_prefill and self.config.single_flight == "after_prefill"
-            if self.config.enable_prefix_caching and (incremental or release):
-                self.publish(seq)  # on release: the followers' checkpoint, even under publication=completion
+            if incremental or release:  # on release: the followers' checkpoint, even under completion
+                self.kv.publish(seq)
             if release:
                 self.flights.release(seq)
             if out.token is not None:
@@ -251,23 +241,13 @@ class Scheduler:
         """With `length` tokens, seq has its max_tokens or fills the context."""
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
-    def publish(self, seq: Sequence) -> None:
-        """Publish every full page whose KV is computed (and evaluated: this runs after the step)."""
-        hashes = seq.full_page_hashes(self.page_size)
-        full = min(seq.num_computed_tokens // self.page_size, len(hashes))
-        for i in range(seq.publish_cursor, full):
-            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
-            parent = hashes[i - 1] if i else None
-            seq.num_pages_published += self.pool.publish(seq.page_table[i], hashes[i], parent, tokens)
-        seq.publish_cursor = max(seq.publish_cursor, full)
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq for good: finished ("stop"/"length"), aborted ("abort") or failed ("error")."""
         if seq.is_finished:
             return  # e.g. an abort that arrives after the step that finished it
-        if reason in ("stop", "length") and self.config.enable_prefix_caching:
-            self.publish(seq)
-        self._release_pages(seq)
+        if reason in ("stop", "length"):
+            self.kv.publish(seq)
+        self.kv.release(seq)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
@@ -277,9 +257,3 @@ class Scheduler:
         self.finished.append(seq)
         if self.flights:
             self.flights.terminate(seq)
-
-    def _release_pages(self, seq: Sequence) -> None:
-        self.pool.release(seq.page_table)
-        seq.page_table = []
-        seq.num_computed_tokens = 0
-        seq.publish_cursor = 0

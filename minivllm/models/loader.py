@@ -16,11 +16,11 @@ import mlx.nn as nn
 import mlx_lm
 import numpy as np
 from mlx.utils import tree_map, tree_unflatten
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from minivllm.models.backend import Backend, detect_backend
 from minivllm.models.gguf_transcode import unpack_levels
 from minivllm.models.qwen2 import check_supported
+from minivllm.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _converted_gguf(path: Path) -> Path:
     return out
 
 
-def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Module, TokenizerWrapper, dict]:
+def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Module, Tokenizer, dict]:
     backend = backend or detect_backend()
     resolved = resolve_model(ref)
     try:
@@ -88,10 +88,10 @@ def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Modu
     logger.info("model %s: backend %s, weights %s, BLAS %s", resolved, backend.name, weights, backend.blas)
     config["_resolved_path"] = resolved
     config["_weights"] = weights
-    return model, tokenizer, config
+    return model, Tokenizer(tokenizer), config
 
 
-def load_tokenizer(ref: str | None) -> TokenizerWrapper:
+def load_tokenizer(ref: str | None) -> Tokenizer:
     """The model's tokenizer alone, as `load_model` builds it (the Ray Serve ingress tokenizes, replicas
     hold the weights). A repo id fetches only its tokenizer and config files."""
     resolved = resolve_model(ref)
@@ -102,7 +102,7 @@ def load_tokenizer(ref: str | None) -> TokenizerWrapper:
 
             path = Path(snapshot_download(resolved, allow_patterns=["*.json", "*.jinja", "tokenizer.model"]))
         config = mlx_lm.utils.load_config(path)
-        return mlx_lm.utils.load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        return Tokenizer(mlx_lm.utils.load_tokenizer(path, eos_token_ids=config.get("eos_token_id")))
     except Exception as e:  # hub failures, bad directories
         raise ValueError(f"cannot load the tokenizer of {ref!r} ({resolved}): {e}") from e
 

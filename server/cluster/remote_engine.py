@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from minivllm.engine.grammar import GrammarCompiler
 from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.loader import load_tokenizer
@@ -36,8 +35,6 @@ class RemoteEngine:
         self.tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
-        # The ingress compiles each schema once to refuse a bad one with a 400; the replica compiles it again.
-        self.grammars = GrammarCompiler(tokenizer._tokenizer, vocab_size, set(tokenizer.eos_token_ids))
         self._router = router
 
     @classmethod

@@ -1,0 +1,165 @@
+"""The scheduler over a KV manager, with no model: a fake runner "samples" a fixed token for every
+request whose chunk reaches its last token. What it checks is the scheduling itself: chunked prefill
+under the step budget, admission with prefix restore, preemption, the pool's page states after every
+step, and that pages come back on every exit."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from minivllm.cache.kv_manager import KVManager
+from minivllm.config import EngineConfig
+from minivllm.engine.grammar import MaskCounters
+from minivllm.engine.sampling_params import SamplingParams
+from minivllm.engine.scheduler import ScheduledStep, Scheduler
+from minivllm.engine.sequence import Sequence
+
+PAGE = 4
+EOS = 0
+TOKEN = 7  # what the fake runner samples (never EOS)
+
+
+@dataclass
+class FakeOutput:
+    token: int | None
+    logprob: None = None
+
+
+def fake_run(step: ScheduledStep) -> list[FakeOutput]:
+    """One output per request: a token when its chunk reaches its last known token, else none."""
+    return [
+        FakeOutput(TOKEN if seq.num_computed_tokens + n == len(seq.token_ids) else None)
+        for seq, n in zip(step.seqs, step.num_tokens)
+    ]
+
+
+def make(num_pages=16, budget=8, max_model_len=256, **config) -> Scheduler:
+    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=4, page_size=PAGE, **config)
+    kv = KVManager(num_pages, PAGE, cfg.eviction, cfg.enable_prefix_caching)
+    return Scheduler(cfg, kv, {EOS}, max_model_len, MaskCounters())
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def step(s: Scheduler) -> ScheduledStep:
+    scheduled = s.schedule()
+    if scheduled:
+        s.postprocess(scheduled, fake_run(scheduled))
+    s.kv.check_invariants(s.running)
+    return scheduled
+
+
+def run_to_end(s: Scheduler, limit: int = 200) -> list[ScheduledStep]:
+    steps = []
+    while (s.running or s.waiting) and len(steps) < limit:
+        steps.append(step(s))
+    assert not (s.running or s.waiting), "requests left after the step limit"
+    return steps
+
+
+def test_chunked_prefill_respects_the_budget_then_decodes_one_token_a_step():
+    s = make(budget=8)
+    seq = request("a", list(range(1, 21)), max_tokens=3)  # 20 prompt tokens
+    s.add(seq)
+    steps = run_to_end(s)
+    assert [st.num_tokens for st in steps] == [[8], [8], [4], [1], [1]]
+    assert seq.output_token_ids == [TOKEN] * 3 and seq.finish_reason == "length"
+    assert s.kv.state().in_use == 0
+
+
+def test_the_budget_is_shared_by_decodes_first_then_prefill():
+    s = make(budget=8)
+    first = request("a", list(range(1, 6)), max_tokens=8)
+    s.add(first)
+    step(s)  # its whole prompt: it decodes from now on
+    s.add(request("b", list(range(10, 30))))
+    scheduled = step(s)
+    assert [q.request_id for q in scheduled.seqs] == ["a", "b"] and scheduled.num_tokens == [1, 7]
+
+
+def test_a_second_request_restores_the_published_prefix():
+    s = make()
+    prompt = list(range(1, 19))  # 18 tokens: 4 full pages
+    s.add(request("a", prompt))
+    run_to_end(s)
+    assert s.kv.state().cached > 0
+    again = request("b", prompt)
+    s.add(again)
+    step(s)
+    # the last token is always computed: at most floor((N-1)/P) pages restored
+    assert again.num_cached_tokens == (len(prompt) - 1) // PAGE * PAGE
+    assert s.counters.hit_tokens == again.num_cached_tokens
+
+
+def test_without_prefix_caching_nothing_is_restored_or_published():
+    s = make(enable_prefix_caching=False, single_flight="off")
+    prompt = list(range(1, 19))
+    s.add(request("a", prompt))
+    run_to_end(s)
+    s.add(again := request("b", prompt))
+    run_to_end(s)
+    assert again.num_cached_tokens == 0 and s.kv.state().cached == 0
+
+
+def test_the_newest_request_is_preempted_when_pages_run_out_and_both_finish():
+    s = make(num_pages=6, budget=16)  # 24 token slots for two requests that grow to 16 tokens each
+    a, b = request("a", list(range(1, 9)), max_tokens=8), request("b", list(range(20, 28)), max_tokens=8)
+    s.add(a)
+    s.add(b)
+    run_to_end(s)
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert a.finish_reason == b.finish_reason == "length"
+    assert s.kv.state().in_use == 0
+
+
+def test_a_request_that_can_never_fit_the_pool_is_stopped_not_preempting_others():
+    s = make(num_pages=4)
+    big = request("big", list(range(1, 13)), max_tokens=40)  # up to 52 tokens: 13 pages of a 4-page pool
+    s.add(big)
+    run_to_end(s)
+    assert big.finish_reason == "length" and "KV pages" in big.finish_detail
+    assert s.counters.preemptions == 0
+
+
+def test_an_abort_while_waiting_or_running_releases_every_page():
+    s = make(budget=4)
+    running, waiting = request("r", list(range(1, 13))), request("w", list(range(30, 42)))
+    s.add(running)
+    step(s)  # r takes the whole budget: w still waits
+    s.add(waiting)
+    s.finish(running, "abort")
+    s.finish(waiting, "abort")
+    assert not s.running and not s.waiting
+    s.kv.check_invariants([])
+    assert s.kv.state().in_use == 0
+
+
+def test_schedule_ahead_only_when_every_running_request_just_decodes():
+    s = make(budget=8)
+    seq = request("a", list(range(1, 13)), max_tokens=8)
+    s.add(seq)
+    first = s.schedule()
+    assert not s.schedule_ahead(first)  # a chunk short of the prompt's end samples nothing to go on with
+    s.postprocess(first, fake_run(first))
+    last_chunk = s.schedule()
+    ahead = s.schedule_ahead(last_chunk)  # it samples: the next step decodes that token
+    assert ahead.seqs == [seq] and ahead.num_tokens == [1]
+    s.postprocess(last_chunk, fake_run(last_chunk))
+    s.postprocess(ahead, fake_run(ahead))
+    decode = s.schedule()
+    ahead = s.schedule_ahead(decode)
+    assert ahead.seqs == [seq] and ahead.num_tokens == [1]
+    s.add(request("b", [40, 41, 42]))
+    assert not s.schedule_ahead(decode)  # someone waits: the next step is scheduled as usual
+
+
+@pytest.mark.parametrize("eviction", ["adaptive", "s3fifo", "lru", "fifo"])
+def test_many_requests_through_a_small_pool_keep_the_page_states_consistent(eviction):
+    s = make(num_pages=10, budget=8, eviction=eviction)
+    for i in range(12):
+        s.add(request(f"r{i}", [1 + i % 3] * 6 + list(range(100 + i, 106 + i)), max_tokens=3 + i % 4))
+    run_to_end(s, limit=500)  # check_invariants after every step
+    state = s.kv.state()
+    assert state.in_use == 0 and state.free + state.cached == state.total
