@@ -39,15 +39,20 @@ def generate_main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    detok = tok.detokenizer
+    detok, error = tok.detokenizer, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             for t in out.new_token_ids:
                 if t not in engine.eos_token_ids:
                     detok.add_token(t)
             print(detok.last_segment, end="", flush=True)
+            if out.finish_reason == "error":  # a fault: never a silently short completion
+                error = out.error
     detok.finalize()
     print(detok.last_segment, flush=True)
+    if error is not None:
+        print(f"error: the request failed: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
