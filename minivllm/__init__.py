@@ -11,6 +11,6 @@ from minivllm.models import backend as _backend  # noqa: F401  (preloads OpenBLA
 # isort: split
 from minivllm.config import EngineConfig
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
-from minivllm.llm import LLM
+from minivllm.llm import LLM, GenerationError
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutput"]
+__all__ = ["LLM", "GenerationError", "EngineConfig", "SamplingParams", "StructuredOutput"]

@@ -39,12 +39,17 @@ def generate_main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    decode = tok.decode_stream()
+    decode, error = tok.decode_stream(), None
     while engine.has_unfinished_requests():
         for out in engine.step():
             text = "".join(decode(t) or "" for t in out.new_token_ids if t not in engine.eos_token_ids)
             print(text, end="", flush=True)
+            if out.finish_reason == "error":  # a fault: never a silently short completion
+                error = out.error
     print(flush=True)
+    if error is not None:
+        print(f"error: the request failed: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,4 +1,9 @@
-"""The synchronous API for scripts and tests: LLM(...).generate(prompts, sampling_params)."""
+"""The synchronous API for scripts and tests: LLM(...).generate(prompts, sampling_params).
+
+A request the engine fails (finish reason "error": a fault in a step) raises GenerationError once the
+call's other requests are done; it is never returned as a short or empty completion. Aborted requests
+(finish reason "abort") are returned as they are.
+"""
 
 import itertools
 from dataclasses import dataclass
@@ -8,7 +13,7 @@ from tqdm import tqdm
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.sequence import TokenLogprob
+from minivllm.engine.sequence import Sequence, TokenLogprob
 
 
 @dataclass
@@ -20,6 +25,17 @@ class Completion:
     finish_reason: str
     num_cached_tokens: int
     logprobs: list[TokenLogprob]
+    error: str | None = None  # why it ended, when the finish reason alone does not say
+
+
+class GenerationError(RuntimeError):
+    """Requests of one LLM.generate call failed. failed: their completions (the tokens they had, the
+    fault as `error`); completions: every request of the call, in prompt order."""
+
+    def __init__(self, failed: list[Completion], completions: list[Completion]):
+        self.failed, self.completions = failed, completions
+        faults = "; ".join(f"request {c.request_id}: {c.error}" for c in failed)
+        super().__init__(f"{len(failed)} of {len(completions)} requests failed: {faults}")
 
 
 class LLM:
@@ -43,15 +59,20 @@ class LLM:
         with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
             while any(not s.is_finished for s in seqs):
                 bar.update(sum(o.finished for o in self.engine.step()))
-        return [
-            Completion(
-                request_id=s.request_id,
-                prompt_token_ids=s.prompt_token_ids,
-                token_ids=s.output_token_ids,
-                text=self.tokenizer.decode(s.output_token_ids),
-                finish_reason=s.finish_reason,
-                num_cached_tokens=s.num_cached_tokens,
-                logprobs=s.logprobs,
-            )
-            for s in seqs
-        ]
+        completions = [self._completion(s) for s in seqs]
+        failed = [c for c in completions if c.finish_reason == "error"]
+        if failed:
+            raise GenerationError(failed, completions)
+        return completions
+
+    def _completion(self, seq: Sequence) -> Completion:
+        return Completion(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=self.tokenizer.decode(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=seq.logprobs,
+            error=seq.finish_detail,
+        )

@@ -21,5 +21,9 @@ class MlxLmReference:
         if not detect_backend().is_gpu:
             self.model = dequantize_to_float32(self.model)
 
-    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        return [int(t) for t, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens)]
+    def greedy(self, prompt: list[int], max_tokens: int, prefill_step_size: int = 2048) -> list[int]:
+        """prefill_step_size: mlx-lm's prefill chunk (smaller ones are faster for long prompts on the CPU)."""
+        steps = generate_step(
+            mx.array(prompt), self.model, max_tokens=max_tokens, prefill_step_size=prefill_step_size
+        )
+        return [int(t) for t, _ in steps]

@@ -22,6 +22,17 @@ def test_generate_rejects_bad_input(tiny_model_dir, capsys):
     assert "max_tokens" in capsys.readouterr().err
 
 
+def test_generate_reports_a_failed_request(tiny_model_dir, monkeypatch, capsys):
+    from minivllm.engine.model_runner import ModelRunner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(ModelRunner, "launch", broken)
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "4"]) == 1
+    assert "the request failed: RuntimeError: injected fault" in capsys.readouterr().err
+
+
 def test_convert_then_serve_a_gguf_file(tmp_path, monkeypatch, capsys):
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf_path)

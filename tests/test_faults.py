@@ -1,5 +1,6 @@
 """Every exit path of a request ends with its pages released, its stream closed with a clear reason, and
-the engine still serving: a cancellation at any await point, a fault anywhere in a step."""
+the engine still serving: a cancellation at any await point, a fault anywhere in a step. The synchronous
+API raises for a failed request."""
 
 import asyncio
 import threading
@@ -7,7 +8,7 @@ import time
 
 import pytest
 
-from minivllm import EngineConfig, SamplingParams
+from minivllm import LLM, EngineConfig, GenerationError, SamplingParams
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.engine.llm_engine import LLMEngine, RequestOutput
 from tests.test_engine import random_prompts
@@ -215,3 +216,46 @@ async def test_a_duplicate_id_is_refused_even_while_the_first_compiles_its_gramm
         await until_idle(async_engine)
     finally:
         async_engine.shutdown()
+
+
+# -- the synchronous API ----------------------------------------------------------------------------------
+def test_a_fault_in_a_step_makes_llm_generate_raise(tiny_model_dir, monkeypatch):
+    """A failed request is never returned as a short or empty completion: generate raises, naming the
+    requests and the fault, once the call's requests have ended; the engine goes on."""
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20)
+    prompts = random_prompts([12, 30], seed=35)
+    real_launch, launches = llm.engine.runner.launch, []
+
+    def third_launch_fails(*args, **kwargs):
+        launches.append(1)
+        if len(launches) == 3:  # after two tokens of each request
+            raise InjectedFault("injected fault")
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", third_launch_fails)
+    with pytest.raises(GenerationError, match="request llm-0: InjectedFault: injected fault") as e:
+        llm.generate(prompts, greedy(6))
+    assert [c.request_id for c in e.value.completions] == ["llm-0", "llm-1"]
+    assert e.value.failed == e.value.completions  # both were in the faulted step
+    for c in e.value.failed:
+        assert (c.finish_reason, c.error, len(c.token_ids)) == ("error", "InjectedFault: injected fault", 2)
+    monkeypatch.setattr(llm.engine.runner, "launch", real_launch)
+    (out,) = llm.generate(prompts[:1], greedy(6))
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+
+
+def test_an_aborted_request_is_returned_by_llm_generate(tiny_model_dir, monkeypatch):
+    """An abort is not a fault: generate returns the aborted request's completion with the others'."""
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20)
+    real_step = llm.engine.step
+
+    def step_then_abort():
+        outputs = real_step()
+        if "llm-0" in llm.engine.requests:
+            llm.engine.abort_request("llm-0")
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", step_then_abort)
+    aborted, finished = llm.generate(random_prompts([12, 30], seed=36), greedy(6))
+    assert (aborted.finish_reason, len(aborted.token_ids), aborted.error) == ("abort", 1, None)
+    assert (finished.finish_reason, len(finished.token_ids)) == ("length", 6)

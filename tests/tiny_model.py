@@ -1,11 +1,11 @@
-"""Build a small random Qwen2 model in mlx-lm layout, offline, for tests and benchmark smoke runs."""
+"""Build small random Qwen2 and Llama models in mlx-lm layout, offline, for tests and benchmark smoke runs."""
 
 import json
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen2
+from mlx_lm.models import llama, qwen2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -66,9 +66,7 @@ def make_tiny_model(
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
-    tok.save(str(path / "tokenizer.json"))
+    tok = write_tokenizer(path, build_tokenizer(), model_max_length=2048)
     vocab_size = 512  # >= tokenizer vocabulary, like real models' padded vocabularies
     config = {
         "model_type": "qwen2",
@@ -88,6 +86,67 @@ def make_tiny_model(
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed)
+    save_random_weights(qwen2.Model(qwen2.ModelArgs.from_dict(config)), path)
+    return path
+
+
+# Llama 3.1's rope scaling: mlx-lm builds a Llama3RoPE, whose frequencies are an array of the module
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def make_tiny_llama_model(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    head_dim: int = 32,
+    intermediate_size: int = 1024,
+    vocab_size: int = 362,
+    rope_scaling: dict | None = LLAMA3_ROPE_SCALING,
+    max_position_embeddings: int = 131072,  # Llama 3.1's; the engine clamps it to what the KV pool holds
+) -> Path:
+    """A random Llama-family model built with mlx-lm's own llama class (the defaults: issue 31's), with
+    the tokenizer trained to exactly vocab_size tokens."""
+    path = Path(path)
+    tok = write_tokenizer(path, build_tokenizer(vocab_size), model_max_length=max_position_embeddings)
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 500000.0,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": False,
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed)
+    save_random_weights(llama.Model(llama.ModelArgs.from_dict(config)), path)
+    return path
+
+
+def write_tokenizer(path: Path, tok: Tokenizer, model_max_length: int) -> Tokenizer:
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -97,17 +156,18 @@ def make_tiny_model(
                 "bos_token": None,
                 "add_bos_token": False,
                 "chat_template": CHAT_TEMPLATE,
-                "model_max_length": 2048,
+                "model_max_length": model_max_length,
             },
             indent=2,
         )
     )
-    mx.random.seed(seed)
-    model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    return tok
+
+
+def save_random_weights(model, path: Path) -> None:
     # Wider random weights than the default init, so greedy outputs vary from token to token.
     params = {k: v * 4.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), params)
-    return path
 
 
 def make_tiny_4bit_model(src: str | Path, dst: str | Path) -> Path:

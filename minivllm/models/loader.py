@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
-from mlx.utils import tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from minivllm.models.backend import Backend, detect_backend
 from minivllm.models.gguf_transcode import unpack_levels
@@ -82,7 +82,7 @@ def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Modu
     quantization = describe_quantization(config)
     if not backend.is_gpu:
         model = dequantize_to_float32(model)
-    mx.eval(model.parameters())
+    mx.eval(module_arrays(model))
     dtype = activation_dtype(model)
     weights = f"{quantization} ({dtype} activations)" if quantization and backend.is_gpu else str(dtype)
     logger.info("model %s: backend %s, weights %s, BLAS %s", resolved, backend.name, weights, backend.blas)
@@ -160,6 +160,18 @@ def _float_weight(module: nn.Module) -> mx.array:
         )
     mx.eval(weight)  # one matrix at a time: the temporaries stay one matrix big
     return weight
+
+
+def module_arrays(model: nn.Module) -> list[mx.array]:
+    """Every array the model's modules hold: the parameters and the rest, which model.parameters() leaves
+    out (members named with a leading underscore, such as Llama3RoPE's `_freqs`, and tuples).
+
+    They are evaluated at load because an unevaluated array is bound to the stream of the thread that
+    built it: MLX streams belong to a thread, and a graph reaching another thread's stream fails to
+    evaluate ("There is no Stream(cpu, 0) in current thread"). The engine steps on a thread of its own.
+    """
+    everything = model.filter_and_map(lambda module, key, value: True)
+    return [x for _, x in tree_flatten(everything) if isinstance(x, mx.array)]
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
