@@ -157,3 +157,129 @@ def test_control_strings_in_chat_content_cost_their_plain_text_tokens_on_qwen():
         plain = tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
         assert len(ids) - len(empty) == len(plain), content
         assert ids.count(im_start) == empty.count(im_start)  # no turn forged
+
+
+# -- tool calls on Qwen's tokenizer: <tool_call> and </tool_call> are added tokens ---------------------------
+SET_ALARM = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "description": "Set an alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {"time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}},
+            "required": ["time"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_IN_PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ALARM_CALL = '<tool_call>\n{"name": "set_alarm", "arguments": {"time": "07:30"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    """The default model's tokenizer alone (mlx-lm's wrapper, as the engine loads it): no weights."""
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def qwen_grammars(qwen_tokenizer):
+    from minivllm.engine.grammar import GrammarCompiler
+
+    vocab_size = json.loads((default_model_dir() / "config.json").read_text())["vocab_size"]
+    return GrammarCompiler(qwen_tokenizer._tokenizer, vocab_size, set(qwen_tokenizer.eos_token_ids))
+
+
+def _allowed(grammars, matcher) -> list[int]:
+    """The tokens the matcher's next mask allows."""
+    import numpy as np
+
+    from minivllm.engine.grammar import MaskCounters, token_bitmasks
+
+    words = token_bitmasks([matcher], grammars.vocab_size, MaskCounters())[0]
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
+
+
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"tool_choice": "auto", "response_format": {"type": "json_object"}},  # an answer or a call
+    ],
+    ids=["required", "named", "auto-with-json"],
+)
+def test_call_grammar_takes_qwens_call_marker_tokens(qwen_tokenizer, qwen_grammars, request_fields):
+    """The grammar of a call names the markers' added tokens: the first mask allows `<tool_call>` (151657)
+    and the matcher then consumes it, and a correct call block, as Qwen's tokenizer writes it, is accepted
+    to its end (`</tool_call>`, 151658)."""
+    from server.protocol import ChatCompletionRequest
+    from server.structured import chat_output
+    from server.tools import ToolCalling
+
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": WEATHER_IN_PARIS, "tools": [GET_WEATHER, SET_ALARM], **request_fields}
+    )
+    matcher = qwen_grammars.matcher(chat_output(body, ToolCalling.of(body, qwen_tokenizer)))
+    start, end = qwen_tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    ids = qwen_tokenizer.encode(PARIS_CALL, add_special_tokens=False)
+    assert (ids[0], ids[-1]) == (start, end)
+    allowed = _allowed(qwen_grammars, matcher)
+    if body.tool_choice == "auto":
+        assert start in allowed and len(allowed) > 1  # or the JSON answer
+    else:
+        assert allowed == [start]
+    alarm = qwen_tokenizer.encode(ALARM_CALL, add_special_tokens=False)
+    if isinstance(body.tool_choice, str):
+        assert matcher.validate_tokens(alarm) == len(alarm)  # either tool
+    else:
+        assert matcher.validate_tokens(alarm) < len(alarm)  # only the named one
+    wrong = qwen_tokenizer.encode(PARIS_CALL.replace('"city"', '"town"'), add_special_tokens=False)
+    assert matcher.validate_tokens(wrong) < len(wrong)  # arguments that break the schema
+    for token in ids:
+        assert matcher.consume_token(token), matcher.get_error()
+    assert matcher.is_accepting()
+    assert set(_allowed(qwen_grammars, matcher)) <= set(qwen_tokenizer.eos_token_ids)
+
+
+def _streamed_call(stream) -> tuple[str, str, list[str]]:
+    """A streamed answer's one call: its name, its arguments, and the finish reasons."""
+    names, arguments, reasons = [], [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            for part in choice.delta.tool_calls or []:
+                names += [part.function.name] if part.function.name else []
+                arguments.append(part.function.arguments or "")
+            reasons += [choice.finish_reason] if choice.finish_reason else []
+    (name,) = names
+    return name, "".join(arguments), reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_tool_calls_on_the_default_model(default_server, stream):
+    """tool_choice required (greedy) and a named function (sampled, a pattern schema): each answer is one
+    call that follows its function's schema, whole or streamed."""
+    import jsonschema
+
+    client = default_server.client()
+    model = client.models.list().data[0].id
+    cases = [
+        ("required", GET_WEATHER, {"temperature": 0}),
+        ({"type": "function", "function": {"name": "set_alarm"}}, SET_ALARM, {"temperature": 1, "seed": 3}),
+    ]
+    for choice, tool, sampling in cases:
+        kw = dict(model=model, messages=WEATHER_IN_PARIS, tools=[GET_WEATHER, SET_ALARM], tool_choice=choice)
+        kw |= dict(max_tokens=48, stream=stream, **sampling)
+        if stream:
+            name, arguments, reasons = _streamed_call(client.chat.completions.create(**kw))
+        else:
+            reply = client.chat.completions.create(**kw).choices[0]
+            (call,) = reply.message.tool_calls
+            name, arguments, reasons = call.function.name, call.function.arguments, [reply.finish_reason]
+        assert reasons == ["tool_calls"] and name == tool["function"]["name"], (choice, name, arguments)
+        jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
