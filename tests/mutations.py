@@ -303,6 +303,14 @@ MUTATIONS = [
         ("tests/test_default_model.py", "-k", "call_grammar"),
     ),
     Mutation(
+        "request-dict-keys-unmarked",
+        "control strings in a request's dict keys (parameter names, argument keys) stay control tokens",
+        "server/prompts.py",
+        "return {self._mark(k): self._mark(v) for k, v in value.items()}",
+        "return {k: self._mark(v) for k, v in value.items()}",
+        ("tests/test_default_model.py", "-k", "request_string"),
+    ),
+    Mutation(
         "logprob-bytes-of-text",
         "logprobs bytes are the UTF-8 of the token's decoded text",
         "server/completions.py",
