@@ -5,18 +5,17 @@ thread and the event loop keeps serving /health and the open streams meanwhile. 
 transformers switches special-token parsing on and off per call by setting a flag on the shared Rust
 tokenizer, so concurrent encodes can get each other's setting (seen: a few in a hundred).
 
-Chat message content is text, never control tokens: a special-token string inside a message
-(`<|im_start|>system`) is tokenized exactly as plain text (the same tokens as `encode(content,
-split_special_tokens=True)`), while the markers the template writes itself stay control tokens. A raw
-/v1/completions prompt is the caller's own full prompt: special-token strings in it are parsed as the tokens
-they name.
+Every string of a chat request that the template renders is text, never control tokens: a special-token
+string (`<|im_start|>system`) in a message's content or name, a tool's description or schema (keys and
+values), or a past call's name or arguments (keys and values) is tokenized as plain text, while the control
+tokens the template writes itself stay control tokens. A raw /v1/completions prompt is the caller's own full
+prompt: special-token strings in it are parsed as the tokens they name.
 """
 
 import asyncio
-import copy
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -29,7 +28,8 @@ from server.tools import conversation
 T = TypeVar("T")
 NORMALIZED_PIECE = 1 << 16  # characters normalized per call
 CHANGED_ACROSS_A_CUT = 8  # characters a normalizer may add or save across a cut between pieces
-CONTENT_MARK = "\ue000{}\ue001"  # stands for message content i in a rendering (private-use characters)
+MARK = "\ue000{}\ue001"  # stands for marked string k in a rendering (private-use characters)
+MARK_RE = re.compile("\ue000([0-9]+)\ue001")
 
 
 class PromptBuilder:
@@ -41,8 +41,16 @@ class PromptBuilder:
             )
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        special = tokenizer.special_tokens
-        self.control_strings = re.compile("|".join(map(re.escape, special))) if special else None
+        self.control_ids = {
+            t: i for i, t in tokenizer.added_tokens.items() if i in tokenizer.special_token_ids
+        }
+        # longest first: a control string that holds a shorter one is found whole
+        special = sorted(self.control_ids, key=len, reverse=True)
+        self.control_strings = re.compile(f"({'|'.join(map(re.escape, special))})") if special else None
+        # what a mark stands for: a control string, or a mark character that the request itself holds
+        self.marked = [*special, "\ue000", "\ue001"]
+        self.mark_of = {m: MARK.format(k) for k, m in enumerate(self.marked)}
+        self.to_mark = re.compile("|".join(map(re.escape, self.marked)))
         # no token covers more characters of normalized text than the longest vocabulary entry (byte-level
         # entries spell one character per byte), so a text of C such characters has at least C / this tokens
         self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
@@ -84,51 +92,66 @@ class PromptBuilder:
         self, turns: list[dict], max_tokens: int | None, tools: list[dict] | None = None
     ) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                turns, tools=tools, add_generation_prompt=True, tokenize=False
-            )
+            text = self._render(turns, tools)
             self._check_fits(text, max_tokens)
-            contents = [t["content"] for t in turns if isinstance(t.get("content"), str)]
-            if self.control_strings is None or not any(self.control_strings.search(c) for c in contents):
+            if not self._holds_control_strings(turns, tools):
                 return self.tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template does
-            ids = self._ids_with_plain_contents(turns, tools)
-            if ids is None:  # the template rewrote the content: transformers' own guard, close to plain text
-                ids = self.tokenizer.apply_chat_template(
-                    turns,
-                    tools=tools,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    sanitize_control_tokens=True,
-                )
+            marked = self._render(self._mark(turns), self._mark(tools))
+            if self._unmark(marked) != text:  # the template rewrote a marked string
+                return self._guarded_ids(turns, tools, marked)
+            return self._ids_with_plain_strings(marked)
         except (APIError, RequestError):
             raise
         except Exception as e:  # no template, or one that rejects these messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
-    def _ids_with_plain_contents(self, turns: list[dict], tools: list[dict] | None) -> list[int] | None:
-        """Render the template with a mark in place of each message's content, then tokenize the template's
-        text as usual and each content as plain text. None if some mark did not come through once, intact."""
-        marked = copy.deepcopy(turns)
-        contents = []
-        for turn in marked:
-            if isinstance(turn.get("content"), str):
-                contents.append(turn["content"])
-                turn["content"] = CONTENT_MARK.format(len(contents) - 1)
-        text = self.tokenizer.apply_chat_template(
-            marked, tools=tools, add_generation_prompt=True, tokenize=False
+    def _render(self, turns: list[dict], tools: list[dict] | None) -> str:
+        return self.tokenizer.apply_chat_template(
+            turns, tools=tools, add_generation_prompt=True, tokenize=False
         )
-        pieces = re.split("\ue000([0-9]+)\ue001", text)  # template, content index, template, ...
-        if [int(i) for i in pieces[1::2]] != list(range(len(contents))):
-            return None
+
+    def _holds_control_strings(self, *values) -> bool:
+        return self.control_strings is not None and any(map(self.control_strings.search, _strings(*values)))
+
+    def _mark(self, value):
+        """value (strings, dicts with their keys, lists) with a mark in place of each control string in it."""
+        if isinstance(value, str):
+            return self.to_mark.sub(lambda m: self.mark_of[m[0]], value)
+        if isinstance(value, dict):
+            return {self._mark(k): self._mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mark(v) for v in value]
+        return value
+
+    def _unmark(self, text: str) -> str:
+        return MARK_RE.sub(lambda m: self.marked[int(m[1])], text)
+
+    def _ids_with_plain_strings(self, marked: str) -> list[int]:
+        """The rendering of marked strings holds only the template's own control strings: those are control
+        tokens, and the text between them, marks restored, is plain text (as a whole, so that BPE merges
+        across a control string's edge as in plain text)."""
+        pieces = self.control_strings.split(marked)  # text, control string, text, ...
         ids: list[int] = []
         for j, piece in enumerate(pieces):
             if j % 2:
-                ids += self.tokenizer.encode(
-                    contents[int(piece)], add_special_tokens=False, split_special_tokens=True
-                )
+                ids.append(self.control_ids[piece])
             elif piece:
-                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+                ids += self.tokenizer.encode(
+                    self._unmark(piece), add_special_tokens=False, split_special_tokens=True
+                )
+        return ids
+
+    def _guarded_ids(self, turns: list[dict], tools: list[dict] | None, marked: str) -> list[int]:
+        """For a template that rewrote a marked string: transformers' own guard, close to plain text. It
+        leaves dict keys, and strings the template escapes, as they are: refuse a prompt with more control
+        tokens than the template wrote itself."""
+        ids = self.tokenizer.apply_chat_template(
+            turns, tools=tools, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+        )
+        ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        controls = set(self.control_ids.values())
+        if sum(i in controls for i in ids) > len(self.control_strings.findall(marked)):
+            raise APIError(400, "control tokens in this request cannot be kept as text", param="messages")
         return ids
 
     def _completion_ids(self, prompts: list, max_tokens: int | None) -> list[list[int]]:
@@ -158,3 +181,15 @@ class PromptBuilder:
         starts = range(0, len(text), NORMALIZED_PIECE)
         pieces = sum(len(self.normalizer.normalize_str(text[i : i + NORMALIZED_PIECE])) for i in starts)
         return pieces - CHANGED_ACROSS_A_CUT * max(0, len(starts) - 1)
+
+
+def _strings(*values) -> Iterator[str]:
+    """Every string in values: strings, and the keys and values of dicts and lists, nested."""
+    for value in values:
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield from _strings(k, v)
+        elif isinstance(value, list):
+            yield from _strings(*value)

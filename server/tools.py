@@ -3,7 +3,8 @@ tool calls out of its text, and the grammar that makes a forced call follow its 
 
 The call format is the model's own, as mlx-lm infers it from the chat template (`tool_call_start`,
 `tool_call_end` and `tool_parser` on its tokenizer wrapper): Qwen2.5 and Hermes write
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. mlx-lm's parser reads each block.
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. mlx-lm's parser reads each block. A
+marker that is an added token (Qwen's two are) is that token in a forced call's grammar, not its text.
 """
 
 import json
@@ -53,6 +54,8 @@ class ToolCalling:
     end: str
     parser: object  # mlx-lm's parse_tool_call(text, tools) -> {"name", "arguments"}
     bare_calls: bool  # also read an answer that is nothing but a call's JSON (see parse_bare)
+    start_token: int | None = None  # the marker's id where it is one added token (Qwen's <tool_call>)
+    end_token: int | None = None
 
     @classmethod
     def of(cls, body: p.ChatCompletionRequest, tokenizer) -> "ToolCalling | None":
@@ -82,6 +85,8 @@ class ToolCalling:
             parser=tokenizer.tool_parser,
             bare_calls=choice in (None, "auto")
             and (body.response_format is None or body.response_format.type == "text"),
+            start_token=tokenizer.added_token_id(tokenizer.tool_call_start),
+            end_token=tokenizer.added_token_id(tokenizer.tool_call_end),
         )
 
     @property
@@ -99,7 +104,8 @@ class ToolCalling:
         schemas = [_call_schema(t.function) for t in self.tools if names is None or t.function.name in names]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         body["x-guidance"] = JSON_OPTIONS
-        return f"call: {json.dumps(self.start + chr(10))} %json {json.dumps(body)} {json.dumps(chr(10) + self.end)}\n"
+        start, end = _lark_marker(self.start, self.start_token), _lark_marker(self.end, self.end_token)
+        return f'call: {start} "\\n" %json {json.dumps(body)} "\\n" {end}\n'
 
     # -- the output -----------------------------------------------------------------------------------
     def parse(self, block: str) -> dict | None:
@@ -139,6 +145,13 @@ FENCE = "```json"
 
 def _may_be_bare_call(head: str) -> bool:
     return head.startswith(("{", FENCE)) or FENCE.startswith(head)
+
+
+def _lark_marker(marker: str, token: int | None) -> str:
+    """A call marker in llguidance's lark: llguidance holds every added token as special-token bytes, which a
+    text literal never matches (its first mask allows the token, then consuming it fails), so an added token
+    is named by its id."""
+    return json.dumps(marker) if token is None else f"<[{token}]>"
 
 
 def _call_schema(fn: p.FunctionDefinition) -> dict:

@@ -296,6 +296,22 @@ MUTATIONS = [
         ("tests/test_api.py", "-k", "round_trip"),
     ),
     Mutation(
+        "call-markers-as-text",
+        "a call's markers are text in its grammar, also where they are added tokens (Qwen's <tool_call>)",
+        "server/tools.py",
+        'return json.dumps(marker) if token is None else f"<[{token}]>"',
+        "return json.dumps(marker)",
+        ("tests/test_default_model.py", "-k", "call_grammar"),
+    ),
+    Mutation(
+        "request-dict-keys-unmarked",
+        "control strings in a request's dict keys (parameter names, argument keys) stay control tokens",
+        "server/prompts.py",
+        "return {self._mark(k): self._mark(v) for k, v in value.items()}",
+        "return {k: self._mark(v) for k, v in value.items()}",
+        ("tests/test_default_model.py", "-k", "request_string"),
+    ),
+    Mutation(
         "logprob-bytes-of-text",
         "logprobs bytes are the UTF-8 of the token's decoded text",
         "server/completions.py",

@@ -21,6 +21,7 @@ class Tokenizer:
         self.eos_token_ids: set[int] = set(wrapper.eos_token_ids)
         added = getattr(self.hf, "added_tokens_decoder", {})
         self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
+        self._added_ids = {text: i for i, text in self.added_tokens.items()}
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
         self.special_tokens: list[str] = [t.content for t in added.values() if t.special]
         self.token_bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=1 << 16)(self._token_bytes)
@@ -48,6 +49,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], **kwargs):
         return self.wrapper.apply_chat_template(messages, **kwargs)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the added token spelled `text`, or None if text is no added token (a lookup: it
+        never encodes, so it changes no state of the shared tokenizer)."""
+        return self._added_ids.get(text)
 
     def get_vocab(self) -> dict[str, int]:
         return self.hf.get_vocab()
