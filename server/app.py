@@ -8,27 +8,19 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
+from server import chat, completions
 from server import protocol as p
-from server.completions import (
-    ChatFormat,
-    CompletionFormat,
-    ServerState,
-    generate,
-    protocol_names,
-    until_disconnect,
-)
+from server.core import ServerState
 from server.engine_client import EngineClient
-from server.errors import APIError, error_response, install_error_handlers
+from server.errors import error_response, install_error_handlers
 from server.gateway import GatewayMiddleware
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
 from server.settings import Settings
-from server.structured import chat_output
-from server.tools import ToolCalling
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +53,8 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.add_middleware(GatewayMiddleware, metrics=metrics)
     install_error_handlers(app)
-    _add_routes(app, metrics)
+    for routes in (router, chat.router, completions.router):
+        app.include_router(routes)
     return app
 
 
@@ -86,63 +79,35 @@ def _configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(level.upper())
 
 
-def _add_routes(app: FastAPI, metrics: Metrics) -> None:
-    @app.get("/health")
-    async def health(request: Request):
-        engine = request.app.state.server.engine
-        if not engine.is_running:
-            return error_response(503, "engine is not running")
-        replicas = sorted(name for name in engine.replica_stats() if name is not None)
-        return {"status": "ok", "replicas": replicas} if replicas else {"status": "ok"}
+router = APIRouter()  # the routes every server has; each protocol module has its own
 
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> p.ModelList:
-        st: ServerState = request.app.state.server
-        return p.ModelList(data=[p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)])
+@router.get("/health")
+async def health(request: Request):
+    engine = request.app.state.server.engine
+    if not engine.is_running:
+        return error_response(503, "engine is not running")
+    replicas = sorted(name for name in engine.replica_stats() if name is not None)
+    return {"status": "ok", "replicas": replicas} if replicas else {"status": "ok"}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> p.ModelCard:
-        st: ServerState = request.app.state.server
-        st.check_model(model_id)
-        return p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        st: ServerState = request.app.state.server
-        st.check_model(body.model)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        tools = ToolCalling.of(body, st.engine.tokenizer)
-        template_tools = tools and tools.template_tools()
-        structured = chat_output(body, tools)
-        names = {
-            "prompt": "messages",
-            "max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-            "structured_output": "tool_choice" if tools and tools.forced else "response_format",
-        }
-        with protocol_names(names):
-            prompt = await until_disconnect(
-                request, lambda: st.prompts.chat(body.messages, max_tokens, template_tools)
-            )
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            fmt = ChatFormat(st, body.logprobs, tools)
-            return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
+@router.get("/metrics")
+async def metrics_endpoint(request: Request):
+    metrics: Metrics = request.app.state.server.metrics
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request):
-        st: ServerState = request.app.state.server
-        st.check_model(body.model)
-        if body.echo or body.suffix:
-            raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
-        with protocol_names({}):
-            prompts = await until_disconnect(
-                request, lambda: st.prompts.completion(body.prompt, body.max_tokens)
-            )
-            fmt = CompletionFormat(st.token_text, body.logprobs is not None)
-            return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
+
+@router.get("/v1/models")
+async def models(request: Request) -> p.ModelList:
+    st: ServerState = request.app.state.server
+    return p.ModelList(data=[p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> p.ModelCard:
+    st: ServerState = request.app.state.server
+    st.check_model(model_id)
+    return p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)
 
 
 app = create_app()

@@ -1,8 +1,8 @@
-"""The endpoint logic shared by /v1/chat/completions and /v1/completions.
+"""The serving core every protocol shares: the server's state, sampling params, n choices, the engine's
+refusals in a protocol's own names, and the one path from prompts to a JSON response or an SSE stream.
 
-Chat templates its messages into token ids, completions tokenizes its prompt(s) (server.prompts, off the
-event loop); from there both take the same path: sampling params -> Generation -> a JSON response or an SSE
-stream, formatted by ChatFormat or CompletionFormat.
+A protocol module (server.chat, server.completions) turns its request into prompt token ids (server.prompts,
+off the event loop) and a Format that writes its response; `generate` does the rest.
 """
 
 import asyncio
@@ -11,12 +11,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
-from minivllm.engine.sequence import TokenLogprob
 from minivllm.engine.validation import RequestError
 from server import protocol as p
 from server.engine_client import EngineClient
@@ -25,7 +25,6 @@ from server.generation import Delta, Generation
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
 from server.settings import Settings
-from server.tools import ToolCalling, ToolCallStream, call_deltas
 
 MAX_CHOICES = 64
 
@@ -89,130 +88,20 @@ def sampling_params(
         raise APIError(400, str(e)) from None
 
 
-# -- formats ----------------------------------------------------------------------------------------------
-class ChatFormat:
-    id_prefix = "chatcmpl"
-
-    def __init__(self, state: "ServerState", logprobs: bool, tools: ToolCalling | None = None):
-        self.token_text = state.token_text
-        self.token_bytes = state.token_bytes
-        self.logprobs = logprobs
-        self.tools = tools
-        self._role_sent: set[int] = set()
-        self._tool_streams: dict[int, ToolCallStream] = {}
-
-    def response(
-        self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict
-    ) -> p.ChatCompletionResponse:
-        choices = []
-        for i, deltas in enumerate(per_choice):
-            text, reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
-            calls = None
-            if self.tools is not None:
-                stream = ToolCallStream(self.tools)
-                text, calls = stream.feed(text, final=True)
-                reason = _tool_finish(reason, calls)
-            message = p.ChatResponseMessage(content=text or (None if calls else ""), tool_calls=calls or None)
-            logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
-            choices.append(p.ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason))
-        return p.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage)
-
-    def chunks(self, rid: str, model: str, d: Delta) -> list[p.ChatCompletionChunk]:
-        role = None if d.index in self._role_sent else "assistant"
-        self._role_sent.add(d.index)
-        text, calls, reason, first_call = d.text, [], d.finish_reason, 0
-        if self.tools is not None:
-            stream = self._tool_streams.setdefault(d.index, ToolCallStream(self.tools))
-            text, calls = stream.feed(d.text, final=reason is not None)
-            reason = _tool_finish(reason, stream.calls)
-            first_call = len(stream.calls) - len(calls)
-        deltas = [p.ChatDelta(role=role, content=text)] if text or role else []
-        deltas += call_deltas(calls, first_call)
-        if not deltas and (reason is not None or d.logprobs):
-            deltas.append(p.ChatDelta())
-        choices = [p.ChatChunkChoice(index=d.index, delta=delta) for delta in deltas]
-        if choices:  # the finish reason and the logprobs ride on the last chunk
-            choices[-1].finish_reason = reason
-            choices[-1].logprobs = self._logprobs(d.logprobs)
-        return [p.ChatCompletionChunk(id=rid, model=model, choices=[c]) for c in choices]
-
-    def usage_chunk(self, rid: str, model: str, usage: dict) -> p.ChatCompletionChunk:
-        return p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage)
-
-    def _logprobs(self, lps: list[TokenLogprob]) -> p.ChatLogprobs | None:
-        if not self.logprobs:
-            return None
-        return p.ChatLogprobs(
-            content=[
-                p.ChatTokenLogprob(
-                    **self._top(lp.token_id, lp.logprob),
-                    top_logprobs=[p.TopLogprob(**self._top(t, v)) for t, v in lp.top],
-                )
-                for lp in lps
-            ]
-        )
-
-    def _top(self, token_id: int, logprob: float) -> dict:
-        return {
-            "token": self.token_text(token_id),
-            "logprob": logprob,
-            "bytes": list(self.token_bytes(token_id)),
-        }
-
-
-def _tool_finish(reason: str | None, calls: list) -> str | None:
-    """A choice that ended by itself ("stop") after calling tools ends with "tool_calls"."""
-    return "tool_calls" if reason == "stop" and calls else reason
-
-
-class CompletionFormat:
-    id_prefix = "cmpl"
-
-    def __init__(self, token_text: Callable[[int], str], logprobs: bool):
-        self.token_text = token_text
-        self.logprobs = logprobs
-        self._offsets: dict[int, int] = {}  # text offset of each choice's next token
-
-    def response(
-        self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict
-    ) -> p.CompletionResponse:
-        choices = [self._choice(i, deltas) for i, deltas in enumerate(per_choice)]
-        return p.CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
-
-    def _choice(self, index: int, deltas: list[Delta]) -> p.CompletionChoice:
-        return p.CompletionChoice(
-            index=index,
-            text="".join(d.text for d in deltas),
-            logprobs=self._logprobs(index, [lp for d in deltas for lp in d.logprobs]),
-            finish_reason=deltas[-1].finish_reason,
-        )
-
-    def chunks(self, rid: str, model: str, d: Delta) -> list[p.CompletionResponse]:
-        return [p.CompletionResponse(id=rid, model=model, choices=[self._choice(d.index, [d])])]
-
-    def usage_chunk(self, rid: str, model: str, usage: dict) -> p.CompletionResponse:
-        return p.CompletionResponse(id=rid, model=model, choices=[], usage=usage)
-
-    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> p.CompletionLogprobs | None:
-        if not self.logprobs:
-            return None
-        out = p.CompletionLogprobs()
-        offset = self._offsets.get(index, 0)
-        for lp in lps:
-            token = self.token_text(lp.token_id)
-            out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.token_text(t): v for t, v in lp.top})
-            out.text_offset.append(offset)
-            offset += len(token)
-        self._offsets[index] = offset
-        return out
-
-
-Format = ChatFormat | CompletionFormat
-
-
 # -- the shared path ----------------------------------------------------------------------------------------
+class Format(Protocol):
+    """How one protocol writes a generation: the whole response, or its stream of chunks."""
+
+    id_prefix: str
+    logprobs: bool
+
+    def response(self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict): ...
+
+    def chunks(self, rid: str, model: str, d: Delta) -> list: ...
+
+    def usage_chunk(self, rid: str, model: str, usage: dict): ...
+
+
 async def generate(
     request: Request,
     state: ServerState,

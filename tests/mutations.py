@@ -241,7 +241,7 @@ MUTATIONS = [
     Mutation(
         "consecutive-choice-seeds",
         "choice i of a request with n > 1 samples with seed + i",
-        "server/completions.py",
+        "server/core.py",
         "choice_seed(body.seed, first_index + j)",
         "body.seed + first_index + j",
         ("tests/test_server.py", "-k", "seed"),
@@ -314,7 +314,7 @@ MUTATIONS = [
     Mutation(
         "logprob-bytes-of-text",
         "logprobs bytes are the UTF-8 of the token's decoded text",
-        "server/completions.py",
+        "server/chat.py",
         '"bytes": list(self.token_bytes(token_id))',
         '"bytes": list(self.token_text(token_id).encode())',
         ("tests/test_api.py", "-k", "bytes"),

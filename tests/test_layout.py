@@ -204,6 +204,32 @@ def test_the_engine_reaches_kv_pages_only_through_the_kv_manager():
         assert not written and not calls, f"{name} changes a page table (the KV manager's job)"
 
 
+# what the server may import of minivllm: the engine's public interface, never its inner parts
+ENGINE_PUBLIC = {
+    "minivllm",
+    "minivllm.cli",
+    "minivllm.config",
+    "minivllm.cluster.routing",
+    "minivllm.cache.page_hash",  # the chained page hash, which the replica router computes too
+    "minivllm.engine.async_engine",
+    "minivllm.engine.llm_engine",
+    "minivllm.engine.sampling_params",
+    "minivllm.engine.sequence",
+    "minivllm.engine.validation",
+    "minivllm.engine.grammar",
+    "minivllm.models.loader",
+    "minivllm.models.tokenizer",
+}
+
+
+def test_the_server_uses_only_the_engines_public_modules():
+    modules = module_files(REPO, PACKAGES)
+    for name, path in modules.items():
+        if name.startswith("server"):
+            inner = {m for m in imports_of(name, path, modules) if m.startswith("minivllm")} - ENGINE_PUBLIC
+            assert not inner, f"{name} imports {sorted(inner)}: not the engine's public interface"
+
+
 # -- the checker itself, on synthetic trees ----------------------------------------------------------------
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
