@@ -61,6 +61,7 @@ def sampling_params(
     logprobs: int | None,
     first_index: int,
     structured: StructuredOutput | None = None,
+    cache_salt: str | None = None,
 ) -> list[SamplingParams]:
     """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i).
     max_tokens None: up to the end of the context (the engine checks what fits)."""
@@ -81,6 +82,7 @@ def sampling_params(
                 min_p=body.min_p,
                 logit_bias=body.token_bias,
                 structured_output=structured,
+                cache_salt=cache_salt,
             )
             for j in range(body.n)
         ]
@@ -123,8 +125,9 @@ async def generate(
             f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
+    salt = cache_salt(request, getattr(body, "cache_salt", None))
     params = [
-        sampling_params(body, max_tokens, logprobs, i * body.n, structured) for i in range(len(prompts))
+        sampling_params(body, max_tokens, logprobs, i * body.n, structured, salt) for i in range(len(prompts))
     ]
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
@@ -187,6 +190,16 @@ def _data(payload) -> str:
         else json.dumps(payload)
     )
     return f"data: {text}\n\n"
+
+
+def cache_salt(request: Request, salt: str | None) -> str | None:
+    """The request's prefix-cache domain: its API key's (with several keys configured, each key its own),
+    refined by the request's own cache_salt. A prompt cached in one domain is never restored in another,
+    so hits cannot reveal what another domain's prompts hold."""
+    key = request.scope.get("state", {}).get("key_domain")
+    if not key:
+        return salt
+    return key if salt is None else f"{key}\x00{salt}"
 
 
 @contextmanager

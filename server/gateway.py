@@ -6,6 +6,7 @@ limit holds before anything parses the body: a Content-Length over it is answere
 and a chunked body is counted as it arrives and refused the moment it passes the limit.
 """
 
+import hashlib
 import hmac
 
 from starlette.exceptions import HTTPException
@@ -43,7 +44,10 @@ class GatewayMiddleware:
 
         try:
             state = getattr(scope["app"].state, "server", None)
-            if path.startswith("/v1") and not _authorized(scope, state):
+            key = _request_key(scope, state)
+            if key:  # the key's own prefix-cache domain (server.core.cache_salt)
+                scope.setdefault("state", {})["key_domain"] = key_domain(key)
+            if path.startswith("/v1") and key is None:
                 response = error_response(
                     401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
                 )
@@ -62,13 +66,23 @@ class GatewayMiddleware:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 
-def _authorized(scope, state) -> bool:
-    key = state.settings.api_key if state else None
-    if not key:
-        return True
+def _request_key(scope, state) -> str | None:
+    """The accepted key the request carries ("" when the server needs none), or None if it carries none
+    of them. Every accepted key is compared, in constant time, so the timing tells nothing."""
+    keys = state.settings.accepted_keys if state else ()
+    if not keys:
+        return ""
     header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
     scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    if scheme.lower() != "bearer":
+        return None
+    matches = [hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys]
+    return keys[matches.index(True)] if any(matches) else None
+
+
+def key_domain(key: str) -> str:
+    """A key's prefix-cache domain: a digest, so the key itself never travels with the request."""
+    return hashlib.sha256(b"minivllm key domain\x00" + key.encode()).hexdigest()[:32]
 
 
 def _content_length(scope) -> int | None:

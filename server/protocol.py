@@ -60,13 +60,14 @@ class GenerationRequest(RequestModel):
     repetition_penalty: float = Field(1.0, gt=0)  # extension
     min_p: float = Field(0.0, ge=0, le=1)  # extension
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256)  # extension (vLLM's): cache domain
 
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, v):
         for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:  # no vocabulary has 10^10 tokens
+                raise ValueError(f"keys must be token ids, got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias must be in [-100, 100], got {bias} for token {key}")
         return v

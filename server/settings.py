@@ -50,6 +50,13 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"expected 1/0/true/false, got {raw!r}")
 
 
+def _parse_keys(raw: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if not keys:
+        raise ValueError("expected one or more comma-separated keys")
+    return keys
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip().lower()
@@ -174,6 +181,14 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "require this bearer key on /v1 routes (default: no auth)",
     ),
+    Option(
+        "api_keys",
+        "MINIVLLM_API_KEYS",
+        tuple[str, ...] | None,
+        _parse_keys,
+        None,
+        "several accepted keys, comma-separated (with MINIVLLM_API_KEY: either); each key is its own prefix-cache domain",
+    ),
     Option("log_level", "MINIVLLM_LOG_LEVEL", str, _choice(LOG_LEVELS), "info", "log level"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -207,6 +222,11 @@ class Settings(_SettingsFields):
             return EngineConfig(**values)
         except ValueError as e:
             raise SettingsError(f"{_option_named_in(str(e))}: {e}") from None
+
+    @property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """Every key a /v1 request may carry (none: no auth)."""
+        return ((self.api_key,) if self.api_key else ()) + (self.api_keys or ())
 
     @property
     def served_model_name(self) -> str:

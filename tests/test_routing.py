@@ -117,6 +117,30 @@ def test_in_flight_load_counts_what_has_not_finished():
         Router(load="sometimes")
 
 
+def test_the_ray_router_charges_a_request_to_the_replica_that_served_it():
+    """Ray Serve may send a request past its full first choice: the load in flight, its completion and
+    its pages belong to the replica that served it."""
+    pytest.importorskip("ray.serve")
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from server.cluster.router import PageHashRouter
+
+    rr = object.__new__(PageHashRouter)  # its state alone: no Ray Serve around it
+    rr.page_size, rr._choices = 16, OrderedDict()
+    rr.routing = Router(RoutingConfig(), REPLICAS, load="in-flight")
+    pending = SimpleNamespace(
+        kwargs={"prompt": list(range(48))}, metadata=SimpleNamespace(internal_request_id="q")
+    )
+    chosen, served = rr.routing.choose(rr.page_keys(pending))[:2]
+    rr._choices["q"] = [chosen, served]
+    rr.on_request_routed(pending, SimpleNamespace(unique_id=served), None)
+    assert rr.routing.loads()[served] == 1 and rr.routing.loads()[chosen] == 0
+    assert rr.routing.holders(rr.page_keys(pending)) == sorted({chosen, served}, key=REPLICAS.index)
+    rr.on_request_completed(SimpleNamespace(unique_id=served), "q")
+    assert sum(rr.routing.loads().values()) == 0
+
+
 def test_new_conversations_spread_by_what_is_in_flight_not_by_history():
     live, replay_like = Router(RoutingConfig(), ["a", "b"], load="in-flight"), router(replicas=["a", "b"])
     for r in (live, replay_like):

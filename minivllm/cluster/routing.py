@@ -146,6 +146,16 @@ class Router:
         if self._load.get(replica, 0) > 0:
             self._load[replica] -= 1
 
+    def reassign(self, page_keys: Sequence[Hashable], chosen: str, served: str) -> None:
+        """A request ranked first for `chosen` went to `served` instead (chosen was full): its load and
+        its pages move there (load="in-flight")."""
+        if chosen == served:
+            return
+        self.finish(chosen)
+        if served in self._bits:
+            self._load[served] += 1
+        self.remember(page_keys, served)
+
     def remember(self, page_keys: Sequence[Hashable], replica: str) -> None:
         """Record that these pages went to `replica` after all (the caller overrode the first choice)."""
         if replica in self._bits:

@@ -46,6 +46,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured_output: StructuredOutput | None = None
+    # Not a sampling control: the request's prefix-cache domain (its pages are shared only with requests
+    # of the same salt). It rides here because these params travel with the request everywhere.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):

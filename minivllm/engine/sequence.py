@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minivllm.cache.page_hash import extend_page_hashes
+from minivllm.cache.page_hash import extend_page_hashes, root_hash
 from minivllm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,5 +77,7 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def full_page_hashes(self, page_size: int) -> list[bytes]:
-        extend_page_hashes(self.page_hashes, self.token_ids, page_size)
+        if len(self.page_hashes) < len(self.token_ids) // page_size:
+            root = root_hash(self.params.cache_salt)
+            extend_page_hashes(self.page_hashes, self.token_ids, page_size, root)
         return self.page_hashes

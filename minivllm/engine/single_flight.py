@@ -19,7 +19,7 @@ from minivllm.engine.sequence import Sequence
 
 @dataclass
 class Flight:
-    key: tuple[int, ...]
+    key: tuple  # (cache salt, *prompt token ids)
     leader: Sequence
     followers: deque[Sequence] = field(default_factory=deque)
     opened_at: float = field(default_factory=time.monotonic)
@@ -43,7 +43,7 @@ class FlightCoordinator:
         self.counters = FlightCounters()
 
     def join(self, seq: Sequence) -> None:
-        key = tuple(seq.prompt_token_ids)
+        key = (seq.params.cache_salt, *seq.prompt_token_ids)  # a domain's followers restore its pages only
         flight = self.flights.get(key)
         if flight is None:
             flight = self.flights[key] = Flight(key, leader=seq)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from minivllm.cache.page_hash import extend_page_hashes
+from minivllm.cache.page_hash import extend_page_hashes, root_hash
 from minivllm.cluster.routing import Router, RoutingConfig
 from server.cluster import router_registry
 
@@ -67,6 +67,17 @@ class PageHashRouter(RequestRouter):
                 self.routing.finish(self._choices.popitem(last=False)[1][0])
         return [[by_name[name]] for name in ranking if name in by_name]
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """Ray Serve sent the request to replica_id, which may be a later rank than the first (full):
+        charge its load there, so that it is that replica's until it completes."""
+        super().on_request_routed(pending_request, replica_id, result)
+        request_id = pending_request.metadata.internal_request_id
+        ranking = self._choices.get(request_id)
+        served = replica_id.unique_id
+        if ranking is not None and ranking[0] != served:
+            self.routing.reassign(self.page_keys(pending_request), ranking[0], served)
+            self._choices[request_id] = [served] + [r for r in ranking if r != served]
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Ray Serve calls this when a routed request ends, however it ends."""
         super().on_request_completed(replica_id, internal_request_id)
@@ -77,7 +88,9 @@ class PageHashRouter(RequestRouter):
     def page_keys(self, pending_request: PendingRequest) -> list[bytes]:
         """The chained hashes of the prompt's full pages: the keys the replicas' prefix caches match."""
         prompt = pending_request.kwargs.get("prompt")
+        params = pending_request.kwargs.get("params")
         keys: list[bytes] = []
         if prompt:
-            extend_page_hashes(keys, prompt, self.page_size)
+            root = root_hash(getattr(params, "cache_salt", None))
+            extend_page_hashes(keys, prompt, self.page_size, root)
         return keys
