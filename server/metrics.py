@@ -31,6 +31,11 @@ _COUNTERS = (
         "pages_unreachable",
     ),
     ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
+    (
+        "minivllm_single_flight_prefix_waiters",
+        "Requests that waited for shared prompt pages another request's prefill was computing (prefix flights)",
+        "prefix_waiters",
+    ),
     ("minivllm_engine_steps", "Engine steps", "steps"),
     (
         "minivllm_replica_stats_reports",

@@ -429,8 +429,8 @@ MUTATIONS = [
         "router-ignores-the-prompt",
         "the Ray Serve router routes without the prompt's page hashes",
         "server/cluster/router.py",
-        "        if prompt:\n            extend_page_hashes",
-        "        if False:\n            extend_page_hashes",
+        "        if prompt:\n            root = root_hash",
+        "        if False:\n            root = root_hash",
         ("tests/test_cluster.py", "-k", "turn or burst"),
     ),
     # -- overlap: step n+1 queued before step n is read back -------------------------------------------------

@@ -11,7 +11,7 @@ from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import MaskCounters
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.scheduler import ScheduledStep, Scheduler
+from minivllm.engine.scheduler import ScheduledStep, Scheduler, fair_shares
 from minivllm.engine.sequence import Sequence
 
 PAGE = 4
@@ -163,3 +163,64 @@ def test_many_requests_through_a_small_pool_keep_the_page_states_consistent(evic
     run_to_end(s, limit=500)  # check_invariants after every step
     state = s.kv.state()
     assert state.in_use == 0 and state.free + state.cached == state.total
+
+
+# -- fairness ----------------------------------------------------------------------------------------------
+def test_fair_shares_give_small_needs_all_and_the_rest_to_the_large():
+    assert fair_shares([40_000, 20], 512) == [492, 20]
+    assert fair_shares([300, 300, 300], 512) == [170, 171, 171]
+    assert fair_shares([5, 7], 512) == [5, 7]
+    assert fair_shares([], 512) == []
+
+
+def test_a_short_request_starts_at_once_beside_a_long_prefill():
+    s = make(num_pages=64, budget=16)
+    long = request("long", list(range(1, 200)), max_tokens=2)  # 199 prompt tokens: 13 steps alone
+    s.add(long)
+    step(s)
+    short = request("short", list(range(300, 310)), max_tokens=3)
+    s.add(short)
+    scheduled = step(s)
+    assert dict(zip([q.request_id for q in scheduled.seqs], scheduled.num_tokens)) == {"long": 8, "short": 8}
+    step(s)  # short's last 2 prompt tokens, long the rest of the budget
+    step(s)
+    assert short.output_token_ids == [TOKEN, TOKEN]  # decoding while the long prompt still prefills
+    assert long.in_prefill
+
+
+# -- prefix flights ----------------------------------------------------------------------------------------
+SHARED = list(range(1, 33))  # 8 pages every request of a fan-out shares
+
+
+def test_a_request_waits_for_the_shared_pages_a_running_prefill_computes():
+    s = make(num_pages=64, budget=64)
+    a, b = request("a", SHARED + [50, 51, 52]), request("b", SHARED + [60, 61, 62, 63, 64])
+    s.add(a)
+    s.add(b)
+    first = step(s)
+    assert [q.request_id for q in first.seqs] == ["a"]  # b's next page is in a's prefill
+    run_to_end(s)
+    assert b.num_cached_tokens == len(SHARED)  # it restored them instead
+    assert s.counters.prefix_waiters == 1 and b.waited_for_prefix
+    assert s.counters.computed_prompt_tokens == len(SHARED) + 3 + 5
+
+
+def test_without_single_flight_a_fan_out_computes_the_prefix_twice():
+    s = make(num_pages=64, budget=64, single_flight="off")
+    s.add(request("a", SHARED + [50, 51, 52]))
+    s.add(request("b", SHARED + [60, 61, 62, 63, 64]))
+    run_to_end(s)
+    assert s.counters.computed_prompt_tokens == 2 * len(SHARED) + 3 + 5
+
+
+def test_a_waiter_computes_the_pages_itself_when_their_owner_is_aborted():
+    s = make(num_pages=64, budget=8)
+    owner, waiter = request("owner", SHARED + [50]), request("waiter", SHARED + [60, 61])
+    s.add(owner)
+    s.add(waiter)
+    step(s)
+    assert waiter.status.value == "waiting"
+    s.finish(owner, "abort")
+    run_to_end(s)
+    assert waiter.finish_reason == "length" and waiter.output_token_ids == [TOKEN] * 4
+    assert s.kv.state().in_use == 0

@@ -2,11 +2,12 @@
 
 import pytest
 
-from minivllm import EngineConfig, SamplingParams
+from minivllm import LLM, EngineConfig, SamplingParams
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.single_flight import FlightCoordinator
 from tests.test_engine import random_prompts
+from tests.tiny_model import BYTES_PER_PAGE
 
 N = 100
 RESTORED = (N - 1) // 16 * 16
@@ -190,3 +191,31 @@ def test_a_preempted_leader_hands_its_flight_to_a_follower(tiny_model_dir, promp
     # the oldest follower computed the prompt itself instead of waiting for the old leader to come back
     assert first_token["r1"] < finished["r0"]
     assert all(s.output_token_ids == reference.greedy(shared, 40) for s in seqs)
+
+
+# -- prefix flights: a fan-out that shares a long prefix computes it once ------------------------------------
+@pytest.mark.parametrize("budget", [512, 8192])
+def test_a_fan_out_sharing_a_long_prefix_computes_it_once(tiny_model_dir, reference, budget):
+    shared, *suffixes = random_prompts([1370, 12, 15, 9, 20, 11, 14], seed=28)
+    prompts = [shared + s for s in suffixes]
+    llm = LLM(tiny_model_dir, kv_cache_bytes=64 << 20, max_num_batched_tokens=budget)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    computed = llm.engine.stats()["computed_prompt_tokens"]
+    ideal = len(shared) + sum(len(s) for s in suffixes)
+    assert computed <= 1.3 * ideal, (computed, ideal)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference.greedy(prompt, 4)
+    llm.engine.check_invariants()
+
+
+def test_the_waiters_of_a_preempted_prefix_owner_finish_correctly(tiny_model_dir, reference):
+    """A pool too small for everyone: the owner of the shared prefix is preempted or waits; whoever
+    computes the prefix, every answer is the one it gets alone and no page is lost."""
+    shared, *suffixes = random_prompts([200, 9, 13, 7], seed=29)
+    prompts = [shared + s for s in suffixes]
+    llm = LLM(tiny_model_dir, kv_cache_bytes=24 * BYTES_PER_PAGE, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    assert llm.engine.stats()["preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference.greedy(prompt, 60)
+    assert llm.engine.kv.state().in_use == 0

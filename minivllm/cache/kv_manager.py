@@ -61,17 +61,24 @@ class KVManager:
     def counters(self) -> PoolCounters:
         return self.pool.counters
 
+    def cached_prefix_pages(self, seq: "Sequence") -> int:
+        """How many pages of seq's longest cached prefix admission would restore now."""
+        return len(self._cached_prefix(seq))
+
+    def _cached_prefix(self, seq: "Sequence") -> list[int]:
+        """The pages of seq's longest cached prefix. The last token is always computed, for its logits:
+        at most floor((N-1)/P) pages of N tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        n, hashes = len(seq.token_ids), seq.full_page_hashes(self.page_size)
+        return self.pool.lookup(hashes, seq.token_ids, (n - 1) // self.page_size)
+
     # -- a request's pages ----------------------------------------------------------------------------
     def admit(self, seq: "Sequence") -> int | None:
         """Restore seq's longest cached prefix and allocate pages for the rest of its tokens; the tokens
         restored, or None (nothing changed) when the pool cannot hold it now."""
-        n = len(seq.token_ids)
-        hits: list[int] = []
-        if self.enable_prefix_caching:
-            hashes = seq.full_page_hashes(self.page_size)
-            # the last token is always computed, for its logits: restore at most floor((N-1)/P) pages
-            hits = self.pool.lookup(hashes, seq.token_ids, (n - 1) // self.page_size)
-        need = self.pages_for(n) - len(hits)
+        hits = self._cached_prefix(seq)
+        need = self.pages_for(len(seq.token_ids)) - len(hits)
         taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0)  # acquiring un-caches them
         if need > self.num_available() - taken_off_cache:
             return None

@@ -256,6 +256,7 @@ class LLMEngine:
             "prefix_hit_tokens": c.hit_tokens,
             "computed_prompt_tokens": c.computed_prompt_tokens,
             "preemptions": c.preemptions,
+            "prefix_waiters": c.prefix_waiters,
             "pages_published": p.pages_published,
             "pages_evicted": p.pages_evicted,
             "pages_unreachable": p.pages_unreachable,

@@ -28,6 +28,7 @@ class CacheCounters:
     hit_tokens: int = 0  # prompt tokens restored
     computed_prompt_tokens: int = 0  # prompt tokens run through the model
     preemptions: int = 0
+    prefix_waiters: int = 0  # requests that waited for pages another request's prefill was computing
 
 
 @dataclass
@@ -39,6 +40,18 @@ class ScheduledStep:
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+def fair_shares(needs: list[int], budget: int) -> list[int]:
+    """Split budget over requests needing `needs` tokens, max-min fairly: each gets its need or an equal
+    share of what the smaller ones leave, whichever is less (so the budget is used whenever needs allow)."""
+    shares = [0] * len(needs)
+    left = budget
+    order = sorted(range(len(needs)), key=needs.__getitem__)
+    for k, i in enumerate(order):
+        shares[i] = min(needs[i], left // (len(order) - k))
+        left -= shares[i]
+    return shares
 
 
 class Scheduler:
@@ -75,37 +88,86 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
+        """The step: every running decode first (one token each), then the prefill chunks, the running
+        prefills' and the newly admitted requests' together, sharing what is left of the token budget
+        max-min fairly (fair_shares): a long prompt takes only what shorter ones leave, so a request that
+        arrives during a 200k-token prefill still starts in the next step."""
         budget = self.config.max_num_batched_tokens
-        # The step's requests, the one being scheduled last: what the engine fails if this step faults.
-        self.step_seqs = seqs = []
+        # The step's requests, the one being scheduled or admitted last too: what a fault in it fails.
+        self.step_seqs = []
+        seqs: list[Sequence] = []
         num_tokens: list[int] = []
         preemptions = self.counters.preemptions
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING or budget == 0:
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or budget == 0:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            self.step_seqs.append(seq)
+            if not self._reserve(seq, seq.num_computed_tokens + 1):
+                self.step_seqs.pop()
+                continue
             seqs.append(seq)
-            if not self._reserve(seq, seq.num_computed_tokens + n):
-                seqs.pop()
-                continue
-            num_tokens.append(n)
-            budget -= n
+            num_tokens.append(1)
+            budget -= 1
+        prefills = [
+            s for s in self.running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens > 1
+        ]
         # A step that preempted admits nobody: the pool is short of pages, and a victim readmitted in the
         # step that preempted it would only be preempted again by the next page its preemptor needs.
         if self.counters.preemptions == preemptions:
-            for seq in list(self.waiting):
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                if self.flights and self.flights.is_waiting(seq):
-                    continue
+            prefills += self._admit_waiting(budget - len(prefills))
+        for seq, n in zip(prefills, fair_shares([s.num_uncomputed_tokens for s in prefills], budget)):
+            # pages for the whole prompt came with admission: a prefill chunk never needs to preempt
+            if n > 0 and self.kv.pages_short(seq, seq.num_computed_tokens + n) <= 0:
                 seqs.append(seq)
-                if not self._admit(seq):
-                    seqs.pop()
-                    break
-                n = min(seq.num_uncomputed_tokens, budget)
                 num_tokens.append(n)
-                budget -= n
-        return ScheduledStep(list(seqs), num_tokens)
+        self.step_seqs = list(dict.fromkeys(self.step_seqs + seqs))
+        return ScheduledStep(seqs, num_tokens)
+
+    def _admit_waiting(self, room: int) -> list[Sequence]:
+        """Admit waiting requests in arrival order while each can get a token of the step (room) and a
+        running slot. A follower of an open flight waits, and so does a request whose next page is being
+        computed right now by a running prefill (a prefix flight: it restores that page once published
+        instead of computing it a second time; if that prefill stops, the page is no longer in flight and
+        the waiter computes it itself)."""
+        admitted: list[Sequence] = []
+        computing = self._pages_in_prefill(self.running)
+        for seq in list(self.waiting):
+            if room <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self.flights and self.flights.is_waiting(seq):
+                continue
+            if computing and self._next_page_in(seq, computing):
+                if not seq.waited_for_prefix:
+                    seq.waited_for_prefix = True
+                    self.counters.prefix_waiters += 1
+                continue
+            self.step_seqs.append(seq)
+            if not self._admit(seq):
+                self.step_seqs.pop()
+                break
+            admitted.append(seq)
+            computing |= self._pages_in_prefill([seq])
+            room -= 1
+        return admitted
+
+    def _pages_in_prefill(self, seqs: list[Sequence]) -> set[bytes]:
+        """Hashes of the prompt pages these requests' prefills compute and have not published yet (none
+        without prefix flights: single_flight "off", or no prefix cache)."""
+        if self.flights is None:
+            return set()
+        size = self.kv.page_size
+        return {
+            h
+            for s in seqs
+            if s.in_prefill
+            for h in s.full_page_hashes(size)[s.publish_cursor : s.num_prompt_tokens // size]
+        }
+
+    def _next_page_in(self, seq: Sequence, computing: set[bytes]) -> bool:
+        """Whether the first page of seq's prompt that the cache does not hold is in `computing`."""
+        restorable = seq.full_page_hashes(self.kv.page_size)[: (len(seq.token_ids) - 1) // self.kv.page_size]
+        cached = self.kv.cached_prefix_pages(seq)
+        return cached < len(restorable) and restorable[cached] in computing
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep:
         """The requests of the next step (one decode token each), chosen while `step` still runs: each

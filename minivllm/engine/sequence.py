@@ -48,6 +48,7 @@ class Sequence:
     num_admissions: int = 0  # readmissions after a preemption or a fault count too
     num_preemptions: int = 0
     flight_role: str | None = None  # "leader" | "follower" under single flight
+    waited_for_prefix: bool = False  # a prefix flight: it waited for pages another prefill computed
     seed: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
