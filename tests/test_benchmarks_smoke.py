@@ -219,3 +219,19 @@ def test_single_flight_quick_bursts_and_churn(tiny_model_dir, tmp_path):
     for row in rows:
         assert row["errors"] == 0 and row["restored (distinct, expected 0)"] == 0
         assert row["pages evicted"] > 0  # the distinct prompts overflowed the pool
+
+
+def test_fairness_measures_shorts_and_the_stream_during_a_long_prefill(tmp_path):
+    """benchmarks.fairness on a small long prefill: short requests answered while it runs and the stream's
+    gaps measured (the speed bounds are the benchmark's to report, not this test's)."""
+    import argparse
+
+    from benchmarks import fairness
+    from benchmarks.hardening import tiny_long_context_model
+
+    model = tiny_long_context_model(tmp_path)
+    args = argparse.Namespace(prompt_tokens=6000, shorts=3, short_timeout=60.0)
+    m = fairness.run(results.REPO_ROOT, model, args, "smoke")
+    row = fairness.row("minivllm", "HEAD", m, args.prompt_tokens)
+    assert row["short requests"] >= 1 and row["short TTFT p99 ms"] < 60_000
+    assert m["steps"] > 0 and m["gaps"] and 0 < row["stream tokens per step"] <= 1
