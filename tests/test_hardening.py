@@ -444,3 +444,28 @@ def test_a_vanishing_temperature_samples_greedily():
     for temperature in (5e-324, 1e-300, 1e-6):
         params = SamplingParams(temperature=temperature, top_p=0.5)
         assert sample(logits, [Sequence("r", [0], params, seed=1)]).tolist() == [3]
+
+
+def test_the_grammar_cache_is_bounded_by_bytes_and_huge_grammars_are_refused(tiny_model_dir):
+    from minivllm.engine.grammar import GrammarCompiler, grammar_text
+    from minivllm.engine.sampling_params import StructuredOutput
+    from minivllm.engine.validation import RequestError
+
+    tokenizer = load_tokenizer(Path(tiny_model_dir))
+    compiler = GrammarCompiler(
+        tokenizer.hf, 512, tokenizer.eos_token_ids, cache_bytes=20_000, max_grammar_bytes=8_000
+    )
+    specs = [
+        StructuredOutput(json_schema={"enum": [f"value-{i}-{j}" for j in range(200)]}) for i in range(12)
+    ]
+    sizes = [len(grammar_text(s)) for s in specs]
+    assert all(2_000 < n < 8_000 for n in sizes)
+    for spec in specs:
+        compiler.matcher(spec)
+        assert compiler.cached_bytes <= 20_000
+    assert 1 < len(compiler._cache) < len(specs)
+    assert compiler.cached_bytes == sum(len(t) for t in compiler._cache)
+    huge = StructuredOutput(json_schema={"enum": [f"value-{j}" for j in range(2_000)]})
+    with pytest.raises(RequestError, match="grammar is") as refused:
+        compiler.matcher(huge)
+    assert refused.value.param == "structured_output"

@@ -4,13 +4,14 @@ A request with structured output carries an `LLMatcher`: it starts at the gramma
 with each accepted token, and tells which tokens may come next. Compiling a grammar (and building the
 llguidance tokenizer, ~2 s for a 150k vocabulary, once) happens on the caller's thread, never on the
 stepping thread: the async engine compiles in a worker before handing the request over. Compiled
-grammars are cached by their text, so every request with the same schema gets a cheap copy.
+grammars are cached by their text (bounded by bytes), so every request with the same schema gets a cheap
+copy.
 """
 
-import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
@@ -36,16 +37,32 @@ def grammar_text(spec: StructuredOutput) -> str:
     return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
 
 
-class GrammarCompiler:
-    """Thread-safe: the async engine calls it from worker threads."""
+MAX_GRAMMAR_BYTES = 1 << 20  # a schema's grammar text; past it: a 400 (llguidance's state grows ~50x)
+CACHE_GRAMMAR_BYTES = 8 << 20  # grammar text held compiled in the cache: a few hundred MB of state at most
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: set[int], cache_size: int = 128):
+
+class GrammarCompiler:
+    """Thread-safe: the async engine calls it from worker threads. Compiled grammars are cached by their
+    text, least recently used first out, bounded by the bytes of their texts (a compiled grammar's memory
+    grows with its text: a 75,000-value enum holds ~50 MB), not by their number."""
+
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        cache_bytes: int = CACHE_GRAMMAR_BYTES,
+        max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
+    ):
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._compiled = functools.lru_cache(maxsize=cache_size)(self._compile)
+        self.cache_bytes = cache_bytes
+        self.max_grammar_bytes = max_grammar_bytes
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text -> compiled, LRU order
+        self.cached_bytes = 0
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -65,7 +82,29 @@ class GrammarCompiler:
             text = grammar_text(spec)
         except (ValueError, TypeError, RuntimeError) as e:
             raise _grammar_error(e) from None
+        if len(text) > self.max_grammar_bytes:
+            raise RequestError(
+                f"the grammar is {len(text):,} bytes; at most {self.max_grammar_bytes:,} are compiled "
+                "(a schema that large, e.g. an enum of tens of thousands of values, costs ~50x in memory)",
+                param="structured_output",
+            )
         return self._compiled(text).deep_copy()
+
+    def _compiled(self, text: str) -> LLMatcher:
+        with self._lock:
+            matcher = self._cache.get(text)
+            if matcher is not None:
+                self._cache.move_to_end(text)
+                return matcher
+        matcher = self._compile(text)  # outside the lock: compiles of different grammars go side by side
+        with self._lock:
+            if text not in self._cache:
+                self._cache[text] = matcher
+                self.cached_bytes += len(text)
+            while self.cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                old, _ = self._cache.popitem(last=False)
+                self.cached_bytes -= len(old)
+        return matcher
 
     def _compile(self, grammar: str) -> LLMatcher:
         try:
