@@ -474,6 +474,23 @@ MUTATIONS = [
         "",
         ("tests/test_overlap.py",),
     ),
+    # -- model families ---------------------------------------------------------------------------------------
+    Mutation(
+        "qk-norm-skipped",
+        "Qwen3's q/k RMSNorms are not applied",
+        "minivllm/models/qwen2.py",
+        "    return x if norm is None else norm(x)",
+        "    return x",
+        ("tests/test_families.py",),
+    ),
+    Mutation(
+        "sliding-window-accepted",
+        "a model with sliding-window layers loads",
+        "minivllm/models/families.py",
+        '    if config.get("use_sliding_window") or "sliding_attention" in layer_types:',
+        "    if False:",
+        ("tests/test_families.py",),
+    ),
     Mutation(
         "ahead-at-the-old-position",
         "a step built ahead runs its token at the previous step's position",

@@ -144,6 +144,46 @@ def make_tiny_llama_model(
     return path
 
 
+TINY_FAMILY_CONFIG = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def make_tiny_family_model(
+    path: str | Path, model_type: str, *, seed: int = 0, vocab_size: int = 362, **config
+):
+    """A random model of any family mlx-lm implements, built with mlx-lm's own class for model_type, with
+    TINY_FAMILY_CONFIG overridden by `config` (a family's own options: q/k norms come with qwen3, experts
+    with qwen3_moe's num_experts, ...)."""
+    from mlx_lm.utils import _get_classes
+
+    path = Path(path)
+    tok = write_tokenizer(path, build_tokenizer(vocab_size), model_max_length=4096)
+    config = {
+        "model_type": model_type,
+        **TINY_FAMILY_CONFIG,
+        "vocab_size": vocab_size,
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        **config,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    save_random_weights(model_class(args_class.from_dict(config)), path)
+    return path
+
+
 def write_tokenizer(path: Path, tok: Tokenizer, model_max_length: int) -> Tokenizer:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))

@@ -18,8 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from minivllm.models.backend import Backend, detect_backend
+from minivllm.models.families import check_supported
 from minivllm.models.gguf_transcode import unpack_levels
-from minivllm.models.qwen2 import check_supported
 from minivllm.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Modu
         model, tokenizer, config = mlx_lm.load(resolved, return_config=True)
     except Exception as e:  # mlx-lm raises assorted errors for hub failures and bad directories
         raise ValueError(f"cannot load model {ref!r} ({resolved}): {e}") from e
-    check_supported(model)
+    check_supported(config, model)
     quantization = describe_quantization(config)
     if not backend.is_gpu:
         model = dequantize_to_float32(model)

@@ -1,4 +1,5 @@
-"""Qwen2 / Llama-family forward over a flat ragged batch with paged KV.
+"""Qwen2 / Qwen3 / Llama-family forward over a flat ragged batch with paged KV (minivllm.models.families
+says which configs it runs exactly).
 
 The modules and weights are mlx-lm's own (loaded by `mlx_lm.load`, so every checkpoint layout, 4-bit
 quantization and rope scaling it supports works here); this file only replaces the forward pass:
@@ -26,7 +27,8 @@ def write_layer_kv(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout
     T = x.shape[0]
     # rope on the flat tokens: each is a length-1 sequence at its own position (an offset per token),
     # so nothing is padded and every backend's batched rope applies
-    k = attn.rope(attn.k_proj(x).reshape(T, attn.n_kv_heads, 1, -1), offset=layout.positions)
+    k = _qk_norm(attn, "k_norm", attn.k_proj(x).reshape(T, attn.n_kv_heads, -1))
+    k = attn.rope(k.reshape(T, attn.n_kv_heads, 1, -1), offset=layout.positions)
     v = attn.v_proj(x).reshape(T, attn.n_kv_heads, -1)
     write_kv(kv.keys[layer], layout.slot_mapping, k.squeeze(2))
     write_kv(kv.values[layer], layout.slot_mapping, v)
@@ -35,9 +37,16 @@ def write_layer_kv(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout
 def attention(attn: nn.Module, x: mx.array, kv: KVPools, layer: int, layout: AttentionLayout) -> mx.array:
     """The queries of the tokens `layout` describes over the pools (their own K/V already written)."""
     T = x.shape[0]
-    q = attn.rope(attn.q_proj(x).reshape(T, attn.n_heads, 1, -1), offset=layout.positions)
+    q = _qk_norm(attn, "q_norm", attn.q_proj(x).reshape(T, attn.n_heads, -1))
+    q = attn.rope(q.reshape(T, attn.n_heads, 1, -1), offset=layout.positions)
     out = paged_attention(q.squeeze(2), kv.keys[layer], kv.values[layer], layout, attn.scale)
     return attn.o_proj(out)
+
+
+def _qk_norm(attn: nn.Module, name: str, x: mx.array) -> mx.array:
+    """Qwen3's per-head RMSNorm of queries and keys, before rope (absent in Qwen2 / Llama)."""
+    norm = getattr(attn, name, None)
+    return x if norm is None else norm(x)
 
 
 def mlp(module: nn.Module, x: mx.array) -> mx.array:
@@ -83,21 +92,3 @@ def forward(
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head(h)
     return body.embed_tokens.as_linear(h)
-
-
-def check_supported(model: nn.Module) -> None:
-    """The forward above needs the Llama-family module layout."""
-    try:
-        attn = model.model.layers[0].self_attn
-        needed = (
-            attn.q_proj,
-            attn.k_proj,
-            attn.v_proj,
-            attn.o_proj,
-            attn.rope,
-            attn.n_heads,
-            attn.n_kv_heads,
-        )
-    except AttributeError as e:
-        raise ValueError(f"unsupported architecture {getattr(model, 'model_type', '?')!r}: {e}") from e
-    del needed
