@@ -14,7 +14,15 @@ from starlette.exceptions import HTTPException
 from server.errors import error_response
 from server.metrics import Metrics
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = (
+    "/",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/cache/stats",
+)
 
 
 class RequestTooLarge(HTTPException):

@@ -1,0 +1,36 @@
+"""The built-in web page (GET /): a chat with the served model and a live view of the prefix cache, and the
+JSON it polls (GET /v1/cache/stats: the numbers /metrics exports, for one engine or summed over replicas).
+
+The page is one static file shipped in the package (server/static/index.html): plain HTML, CSS and
+JavaScript, nothing fetched from elsewhere, so it works offline. Its API calls go through /v1 like any
+client's, with the API key it asks for when the server requires one.
+"""
+
+from importlib import resources
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from server.core import ServerState
+
+router = APIRouter()
+PAGE = resources.files("server") / "static" / "index.html"
+
+
+@router.get("/", include_in_schema=False)
+async def page() -> HTMLResponse:
+    return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(request: Request) -> dict:
+    """The engine's counters and gauges (summed over replicas behind a router), and the token hit rate."""
+    st: ServerState = request.app.state.server
+    total: dict[str, float] = {}
+    for stats in st.engine.replica_stats().values():
+        for key, value in stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    looked_up = total.get("prefix_query_tokens", 0)
+    total["hit_rate"] = total.get("prefix_hit_tokens", 0) / looked_up if looked_up else 0.0
+    return total
