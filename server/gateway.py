@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from server.errors import error_response
 from server.metrics import Metrics
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class RequestTooLarge(HTTPException):
