@@ -12,7 +12,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
-from server import chat, completions, web
+from server import chat, completions, responses, web
 from server import protocol as p
 from server.core import ServerState
 from server.engine_client import EngineClient
@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.add_middleware(GatewayMiddleware, metrics=metrics)
     install_error_handlers(app)
-    for routes in (router, chat.router, completions.router, web.router):
+    for routes in (router, chat.router, completions.router, responses.router, web.router):
         app.include_router(routes)
     return app
 

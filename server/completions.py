@@ -1,4 +1,5 @@
-"""POST /v1/completions: OpenAI's (legacy) completions API: one or several raw prompts, as text or ids."""
+"""POST /v1/completions: OpenAI's (legacy) completions API: one or several raw prompts, as text or ids, or
+with a `suffix`, fill-in-the-middle in the model's FIM tokens."""
 
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ from server import protocol as p
 from server.core import ServerState, generate, protocol_names, until_disconnect
 from server.errors import APIError
 from server.generation import Delta
+from server.prompts import FimTokens
 
 router = APIRouter()
 
@@ -17,12 +19,28 @@ router = APIRouter()
 async def completions(body: p.CompletionRequest, request: Request):
     st: ServerState = request.app.state.server
     st.check_model(body.model)
-    if body.echo or body.suffix:
-        raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+    if body.echo:
+        raise APIError(400, "echo is not supported", param="echo")
     with protocol_names({}):
-        prompts = await until_disconnect(request, lambda: st.prompts.completion(body.prompt, body.max_tokens))
+        if body.suffix:  # "" is no suffix: a plain completion
+            prompts = await until_disconnect(
+                request, lambda: st.prompts.infill(body.prompt, body.suffix, body.max_tokens)
+            )
+            body = _stops_after_the_middle(body, st.prompts.fim)
+        else:
+            prompts = await until_disconnect(
+                request, lambda: st.prompts.completion(body.prompt, body.max_tokens)
+            )
         fmt = CompletionFormat(st.token_text, body.logprobs is not None)
         return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
+
+
+def _stops_after_the_middle(body: p.CompletionRequest, fim: FimTokens) -> p.CompletionRequest:
+    """A FIM model ends the middle with its end-of-text token, which need not be its EOS (Qwen2.5-Coder's
+    instruct models stop at <|im_end|>): stop there too."""
+    if fim.end is None:
+        return body
+    return body.model_copy(update={"stop_token_ids": [*(body.stop_token_ids or ()), fim.end]})
 
 
 class CompletionFormat:

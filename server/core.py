@@ -92,7 +92,9 @@ def sampling_params(
 
 # -- the shared path ----------------------------------------------------------------------------------------
 class Format(Protocol):
-    """How one protocol writes a generation: the whole response, or its stream of chunks."""
+    """How one protocol writes a generation: the whole response, or its stream of chunks. A Format whose
+    stream is more than a chunk per delta (the Responses API's typed events) has a method
+    `events(gen, rid, model) -> AsyncIterator[str]` that writes the whole SSE body instead."""
 
     id_prefix: str
     logprobs: bool
@@ -137,6 +139,8 @@ async def generate(
         await until_disconnect(request, gen.start)
         if body.stream:
             streaming = True  # from here the response closes gen
+            if hasattr(fmt, "events"):
+                return GenerationStream(gen, fmt.events(gen, rid, state.model_name))
             return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, body.include_usage))
         per_choice = await until_disconnect(request, gen.collect)
         return JSONResponse(fmt.response(rid, state.model_name, per_choice, gen.usage()).model_dump())

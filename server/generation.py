@@ -30,13 +30,17 @@ class TextStream:
 
     The text is what decoding all tokens at once gives (tokenizers' DecodeStream: it waits for a whole
     UTF-8 character, and keeps the first token's leading space, which a completion needs: "The quick
-    brown" + " fox")."""
+    brown" + " fox"). An output that ends inside a character ends as that decode ends it, the incomplete
+    bytes as U+FFFD."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], hidden: frozenset[int] = frozenset()):
+        self.tokenizer = tokenizer
         self.decode = tokenizer.decode_stream()
         self.hidden = hidden
         self.stops = stops
         self.longest_stop = max((len(s) for s in stops), default=0)
+        self.ids: list[int] = []  # the tokens that make the text
+        self.pending = False  # the last tokens hold an incomplete character, not in text yet
         self.text = ""  # everything decoded so far
         self.sent = 0  # text[:sent] has been released
         self.stopped = False
@@ -44,10 +48,18 @@ class TextStream:
     def add(self, token_ids: list[int]) -> str:
         for t in token_ids:
             if t not in self.hidden:
-                self.text += self.decode(t) or ""  # None: a character still incomplete
+                self.ids.append(t)
+                piece = self.decode(t)  # None: a character still incomplete
+                self.pending = piece is None
+                self.text += piece or ""
         return self._release(final=False)
 
     def finish(self) -> str:
+        if self.pending:  # DecodeStream never gives the bytes of a last, incomplete character
+            self.pending = False
+            whole = self.tokenizer.decode(self.ids)
+            if whole.startswith(self.text):
+                self.text = whole
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

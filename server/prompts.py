@@ -9,7 +9,8 @@ Every string of a chat request that the template renders is text, never control 
 string (`<|im_start|>system`) in a message's content or name, a tool's description or schema (keys and
 values), or a past call's name or arguments (keys and values) is tokenized as plain text, while the control
 tokens the template writes itself stay control tokens. A raw /v1/completions prompt is the caller's own full
-prompt: special-token strings in it are parsed as the tokens they name.
+prompt: special-token strings in it are parsed as the tokens they name. A fill-in-the-middle prompt and suffix
+are plain text around the FIM tokens the server writes.
 """
 
 import asyncio
@@ -17,6 +18,7 @@ import inspect
 import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from minivllm.engine.validation import RequestError, check_context_length
@@ -30,6 +32,29 @@ NORMALIZED_PIECE = 1 << 16  # characters normalized per call
 CHANGED_ACROSS_A_CUT = 8  # characters a normalizer may add or save across a cut between pieces
 MARK = "\ue000{}\ue001"  # stands for marked string k in a rendering (private-use characters)
 MARK_RE = re.compile("\ue000([0-9]+)\ue001")
+# fill-in-the-middle tokens by their spellings: prefix, suffix, middle (the prefix-suffix-middle order the
+# models were trained on), and the token that ends the middle
+FIM_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<|endoftext|>"),  # StarCoder, SantaCoder
+)
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    end: int | None  # the model writes it after the middle: where a fill-in-the-middle completion stops
+
+
+def fim_tokens(tokenizer: Tokenizer) -> FimTokens | None:
+    """The model's FIM tokens, if its tokenizer has one of the known spellings as added tokens."""
+    for spelling in FIM_SPELLINGS:
+        ids = [tokenizer.added_token_id(s) for s in spelling]
+        if None not in ids[:3]:
+            return FimTokens(*ids)
+    return None
 
 
 class PromptBuilder:
@@ -57,6 +82,7 @@ class PromptBuilder:
         self.normalizer = tokenizer.normalizer
         # templates that know no "developer" role would drop such a message: it is the system role renamed
         self.developer_role = "developer" if "developer" in str(tokenizer.chat_template or "") else "system"
+        self.fim = fim_tokens(tokenizer)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-prompts")
 
     def close(self) -> None:
@@ -83,6 +109,18 @@ class PromptBuilder:
         if all(not isinstance(x, str) for x in prompts):
             return [list(x) for x in prompts]
         return await self._off_loop(self._completion_ids, prompts, max_tokens)
+
+    async def infill(self, prompt, suffix: str, max_tokens: int | None) -> list[list[int]]:
+        """Fill-in-the-middle: each prompt (text or token ids, one or several) is the prefix before the
+        suffix, in the model's FIM tokens; prompt and suffix texts are plain text."""
+        if self.fim is None:
+            spellings = "; ".join(" ".join(s[:3]) for s in FIM_SPELLINGS)
+            raise APIError(
+                400, f"suffix: this model has no fill-in-the-middle tokens ({spellings})", param="suffix"
+            )
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            prompt = [prompt]
+        return await self._off_loop(self._infill_ids, prompt, suffix, max_tokens)
 
     async def _off_loop(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -159,6 +197,18 @@ class PromptBuilder:
             if isinstance(x, str):
                 self._check_fits(x, max_tokens)
         return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+
+    def _infill_ids(self, prompts: list, suffix: str, max_tokens: int | None) -> list[list[int]]:
+        for x in prompts:
+            self._check_fits((x if isinstance(x, str) else "") + suffix, max_tokens)
+        fim, after = self.fim, self._plain_ids(suffix)
+        return [
+            [fim.prefix, *(self._plain_ids(x) if isinstance(x, str) else x), fim.suffix, *after, fim.middle]
+            for x in prompts
+        ]
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def _check_fits(self, text: str, max_tokens: int | None) -> None:
         """Refuse, before tokenizing, a text that cannot fit the context with its completion."""

@@ -13,13 +13,17 @@ from server.tools import ToolCalling
 
 
 def chat_output(body: p.ChatCompletionRequest, calling: ToolCalling | None) -> StructuredOutput | None:
-    fmt = body.response_format
+    return output_grammar(body.response_format, calling)
+
+
+def output_grammar(
+    fmt: p.ResponseFormat | None, calling: ToolCalling | None, field: str = "response_format"
+) -> StructuredOutput | None:
+    """fmt and calling as chat names them; field: the request field that carries fmt (for errors)."""
     json_wanted = fmt is not None and fmt.type != "text"
     if calling is not None and calling.forced:
         if json_wanted:
-            raise APIError(
-                400, "response_format cannot be combined with a forced tool_choice", param="response_format"
-            )
+            raise APIError(400, f"{field} cannot be combined with a forced tool_choice", param=field)
         return StructuredOutput(lark=f"start: call\n{calling.call_grammar()}")
     if not json_wanted:
         return None

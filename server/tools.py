@@ -89,6 +89,26 @@ class ToolCalling:
             end_token=tokenizer.added_token_id(tokenizer.tool_call_end),
         )
 
+    @classmethod
+    def of_functions(
+        cls, tools: list[p.Tool], choice: str, parallel: bool, bare_calls: bool, tokenizer
+    ) -> "ToolCalling":
+        """For a protocol other than chat (server.responses), whose request has checked its tools: choice is
+        "auto", "required" or the name of one of them."""
+        if not tokenizer.has_tool_calling:
+            raise APIError(400, "this model's chat template has no tool-call format", param="tools")
+        return cls(
+            tools=tools,
+            choice=choice,
+            parallel=parallel,
+            start=tokenizer.tool_call_start,
+            end=tokenizer.tool_call_end,
+            parser=tokenizer.tool_parser,
+            bare_calls=bare_calls,
+            start_token=tokenizer.added_token_id(tokenizer.tool_call_start),
+            end_token=tokenizer.added_token_id(tokenizer.tool_call_end),
+        )
+
     @property
     def forced(self) -> bool:
         return self.choice != "auto"

@@ -342,6 +342,38 @@ def test_logprobs_bytes_are_the_tokens_own(server, client):
         assert bytes(top.bytes).decode(errors="replace") == top.token
 
 
+def _partial_byte_token(tokenizer) -> int:
+    """A token holding the first byte (0xE4) of a 3-byte UTF-8 character: alone, never a whole character."""
+    return next(t for t in range(len(tokenizer.get_vocab())) if tokenizer.convert_ids_to_tokens(t) == "ä")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_output_ending_inside_a_character_is_the_decode_of_its_tokens(server, client, stream):
+    """max_tokens cuts the output in the middle of multi-byte characters: the text is what decoding the
+    generated tokens gives (U+FFFD for the incomplete bytes), not the characters completed so far."""
+    tokenizer = server.engine.tokenizer
+    partial = _partial_byte_token(tokenizer)
+    kw = dict(
+        model=MODEL,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(partial): 100},
+        extra_body={"ignore_eos": True},
+        stream=stream,
+    )
+    expected = tokenizer.decode([partial] * 4)
+    assert expected and "\ufffd" in expected
+    completion = client.completions.create(prompt="The quick brown", **kw)
+    chat = client.chat.completions.create(messages=ASK, **kw)
+    if stream:
+        texts = ["".join(c.choices[0].text for c in completion if c.choices)]
+        texts.append("".join(c.choices[0].delta.content or "" for c in chat if c.choices))
+    else:
+        texts = [completion.choices[0].text, chat.choices[0].message.content]
+        assert completion.usage.completion_tokens == chat.usage.completion_tokens == 4
+    assert texts == [expected, expected]
+
+
 # -- refusals ---------------------------------------------------------------------------------------------
 TEXT_PARTS = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
 

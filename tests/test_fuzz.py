@@ -29,8 +29,10 @@ def flatmap_body(ctx, body):
     """As generated, or (as often) aimed at the served model with short outputs, so generation runs too."""
     if not isinstance(body, dict) or "model" not in body:
         return st.just(body)
-    aimed = {"max_tokens": 4} | {k: _integral(v) for k, v in body.items()} | {"model": MODEL}
-    for key in ("max_tokens", "max_completion_tokens", "n"):
+    responses = ctx.operation is not None and ctx.operation.path == "/v1/responses"  # its own field names
+    limit = {"max_output_tokens" if responses else "max_tokens": 4}
+    aimed = limit | {k: _integral(v) for k, v in body.items()} | {"model": MODEL}
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n"):
         if isinstance(aimed.get(key), int) and not isinstance(aimed[key], bool):
             aimed[key] = aimed[key] % 4 + 1
     return st.sampled_from([body, aimed])

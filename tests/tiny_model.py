@@ -9,6 +9,7 @@ from mlx_lm.models import llama, qwen2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]  # Qwen2.5-Coder's fill-in-the-middle
 # ChatML like Qwen2.5's, tools in its format too: tools listed in a system turn, assistant calls as
 # <tool_call> blocks (mlx-lm infers its json_tools parser from them), tool results in <tool_response>.
 CHAT_TEMPLATE = (
@@ -38,13 +39,13 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
+def build_tokenizer(vocab_size: int = 384, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -63,10 +64,13 @@ def make_tiny_model(
     num_layers: int = 2,
     tie_embeddings: bool = False,
     max_position_embeddings: int = 2048,
+    fim: bool = False,
 ) -> Path:
-    """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model."""
+    """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model. fim: with
+    Qwen2.5-Coder's fill-in-the-middle tokens among the special tokens."""
     path = Path(path)
-    tok = write_tokenizer(path, build_tokenizer(), model_max_length=2048)
+    specials = SPECIAL_TOKENS + FIM_TOKENS if fim else SPECIAL_TOKENS
+    tok = write_tokenizer(path, build_tokenizer(special_tokens=specials), model_max_length=2048)
     vocab_size = 512  # >= tokenizer vocabulary, like real models' padded vocabularies
     config = {
         "model_type": "qwen2",
