@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
-from server.core import ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
 from server.errors import APIError
 from server.generation import Delta
 
@@ -25,7 +25,7 @@ async def completions(body: p.CompletionRequest, request: Request):
         return await generate(request, st, fmt, body, prompts, body.max_tokens, body.logprobs)
 
 
-class CompletionFormat:
+class CompletionFormat(OpenAIEvents):
     id_prefix = "cmpl"
 
     def __init__(self, token_text: Callable[[int], str], logprobs: bool):
