@@ -1,4 +1,4 @@
-"""What a chat request's output must match, as a grammar for the engine: `response_format` (a JSON object,
+"""What a request's output must match, as a grammar for the engine: `response_format` (a JSON object,
 or JSON valid against a schema, strict or not), a forced tool call (`tool_choice` "required" or a named
 function: one call whose arguments follow the function's schema), or, with tools on "auto" and a JSON
 response format, either of the two."""
@@ -15,15 +15,23 @@ from server.tools import ToolCalling
 def chat_output(body: p.ChatCompletionRequest, calling: ToolCalling | None) -> StructuredOutput | None:
     fmt = body.response_format
     json_wanted = fmt is not None and fmt.type != "text"
+    schema = fmt.json_schema.schema_ if json_wanted and fmt.type == "json_schema" else None
+    return output_grammar(json_wanted, schema, calling, "response_format")
+
+
+def output_grammar(
+    json_wanted: bool, schema: dict | None, calling: ToolCalling | None, format_param: str
+) -> StructuredOutput | None:
+    """Any protocol's answer format (JSON valid against schema, or any JSON object when schema is None) and
+    tools; format_param names the request's answer-format field."""
     if calling is not None and calling.forced:
         if json_wanted:
             raise APIError(
-                400, "response_format cannot be combined with a forced tool_choice", param="response_format"
+                400, f"{format_param} cannot be combined with a forced tool_choice", param=format_param
             )
         return StructuredOutput(lark=f"start: call\n{calling.call_grammar()}")
     if not json_wanted:
         return None
-    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
     if calling is None:
         return (
             StructuredOutput(json_schema=schema) if schema is not None else StructuredOutput(json_object=True)
