@@ -1,5 +1,6 @@
-"""What every HTTP request passes before the app: the bearer-key check on /v1 routes, the request-size limit,
-and the request counts by endpoint and status.
+"""What every HTTP request passes before the app: the API-key check on /v1 routes (`Authorization: Bearer
+<key>`, or Anthropic's `x-api-key: <key>`), the request-size limit, and the request counts by endpoint and
+status. Its errors take the shape of the route's protocol (server.errors).
 
 Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched. The size
 limit holds before anything parses the body: a Content-Length over it is answered at once without reading,
@@ -13,7 +14,15 @@ from starlette.exceptions import HTTPException
 from server.errors import error_response
 from server.metrics import Metrics
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = (
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+)
 
 
 class RequestTooLarge(HTTPException):
@@ -45,7 +54,10 @@ class GatewayMiddleware:
             state = getattr(scope["app"].state, "server", None)
             if path.startswith("/v1") and not _authorized(scope, state):
                 response = error_response(
-                    401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+                    401,
+                    "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                    path=path,
+                    code="invalid_api_key",
                 )
                 return await response(scope, receive, send_observed)
             limit = state.settings.max_request_bytes if state else None
@@ -54,7 +66,7 @@ class GatewayMiddleware:
             declared = _content_length(scope)
             if declared is not None and declared > limit:
                 too_large = RequestTooLarge(limit)
-                response = error_response(too_large.status_code, too_large.detail)
+                response = error_response(too_large.status_code, too_large.detail, path=path)
                 return await response(scope, receive, send_observed)
             await self.app(scope, _limited(receive, limit), send_observed)
         finally:
@@ -66,9 +78,12 @@ def _authorized(scope, state) -> bool:
     key = state.settings.api_key if state else None
     if not key:
         return True
-    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    headers = dict(scope["headers"])
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        return True
+    x_api_key = headers.get(b"x-api-key")  # Anthropic's clients send the key here
+    return x_api_key is not None and hmac.compare_digest(x_api_key.strip(), key.encode())
 
 
 def _content_length(scope) -> int | None:
