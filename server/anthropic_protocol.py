@@ -111,8 +111,9 @@ class Message(AnthropicModel):
     @model_validator(mode="before")
     @classmethod
     def _blocks_of_the_role(cls, v):
-        if isinstance(v, dict) and v.get("role") in BLOCKS_OF_ROLE:
-            _check_block_types(v.get("content"), BLOCKS_OF_ROLE[v["role"]])
+        role = v.get("role") if isinstance(v, dict) else None
+        if isinstance(role, str) and role in BLOCKS_OF_ROLE:
+            _check_block_types(v.get("content"), BLOCKS_OF_ROLE[role])
         return v
 
     def blocks(self) -> list:
