@@ -441,6 +441,20 @@ def test_accepted_fields(client):
     assert r.usage.output_tokens == 2
 
 
+def test_claude_codes_query_and_headers_and_the_key_on_every_route(server):
+    body = {"model": MODEL, "max_tokens": 2, "messages": ASK}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "prompt-caching-scope"}
+    r = httpx.post(server.url + "/v1/messages?beta=true", json=body, headers=headers)
+    assert r.status_code == 200 and r.json()["type"] == "message"
+    r = httpx.post(
+        server.url + "/v1/messages/count_tokens?beta=true", json=body | {"max_tokens": None}, headers=headers
+    )
+    assert r.status_code == 400  # max_tokens is not a count_tokens field, even null
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    missing = httpx.post(server.url + "/v1/messages/batches", json={}, headers=headers)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
 def test_count_tokens_refuses_generation_fields(client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.count_tokens(model=MODEL, messages=ASK, extra_body={"max_tokens": 4})
@@ -497,17 +511,32 @@ def test_engine_failure_is_an_error_event_and_a_500(server, client, monkeypatch)
 
 
 def test_full_queue_is_429_rate_limit_error(tiny_model_dir):
-    async def one(client: httpx.AsyncClient) -> int:
-        body = {"model": MODEL, "max_tokens": 200, "messages": ASK, "stop_sequences": ["\x00"]}
+    """Whole: a 429. Streamed: the headers went out before the engine took the request, so the refusal
+    is the stream's error event."""
+
+    async def one(client: httpx.AsyncClient, stream: bool) -> str:
+        body = {
+            "model": MODEL,
+            "max_tokens": 200,
+            "messages": ASK,
+            "stop_sequences": ["\x00"],
+            "stream": stream,
+        }
         r = await client.post("/v1/messages", json=body)
         if r.status_code == 429:
             assert r.json()["error"]["type"] == "rate_limit_error"
-        return r.status_code
+            return "429"
+        assert r.status_code == 200
+        if stream and "event: error" in r.text:
+            error = json.loads(r.text.split("event: error\ndata: ")[1])
+            assert error["error"]["type"] == "rate_limit_error" and "busy" in error["error"]["message"]
+            return "error event"
+        return "ok"
 
     async def main(url: str):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            return await asyncio.gather(*(one(client) for _ in range(6)))
+            return await asyncio.gather(*(one(client, stream=i % 2 == 1) for i in range(8)))
 
     with ServerThread(tiny_settings(tiny_model_dir, max_num_seqs=1, max_waiting=1)) as s:
-        statuses = asyncio.run(main(s.url))
-    assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
+        outcomes = asyncio.run(main(s.url))
+    assert {"ok", "429", "error event"} <= set(outcomes), outcomes
