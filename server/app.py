@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: `uvicorn server.app:app` (settings from MINIVLLM_* variables).
+"""The HTTP server (OpenAI's chat and completions APIs, Anthropic's Messages API): `uvicorn server.app:app`
+(settings from MINIVLLM_* variables).
 
 The model loads once, in the lifespan; the engine's stepping thread starts there and stops on shutdown.
 The same app is the Ray Serve ingress of `minivllm serve --replicas N`, given a client of the replicas.
@@ -12,7 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
-from server import chat, completions, responses, web
+from server import chat, completions, messages, responses, web
 from server import protocol as p
 from server.core import ServerState
 from server.engine_client import EngineClient
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.add_middleware(GatewayMiddleware, metrics=metrics)
     install_error_handlers(app)
-    for routes in (router, chat.router, completions.router, responses.router, web.router):
+    for routes in (router, chat.router, completions.router, messages.router, responses.router, web.router):
         app.include_router(routes)
     return app
 

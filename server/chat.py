@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
-from server.core import ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
 from server.generation import Delta
 from server.structured import chat_output
 from server.tools import ToolCalling, ToolCallStream, call_deltas
@@ -39,7 +39,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
 
 
-class ChatFormat:
+class ChatFormat(OpenAIEvents):
     id_prefix = "chatcmpl"
 
     def __init__(self, state: "ServerState", logprobs: bool, tools: ToolCalling | None = None):

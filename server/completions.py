@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
-from server.core import ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
 from server.errors import APIError
 from server.generation import Delta
 from server.prompts import FimTokens
@@ -43,7 +43,7 @@ def _stops_after_the_middle(body: p.CompletionRequest, fim: FimTokens) -> p.Comp
     return body.model_copy(update={"stop_token_ids": [*(body.stop_token_ids or ()), fim.end]})
 
 
-class CompletionFormat:
+class CompletionFormat(OpenAIEvents):
     id_prefix = "cmpl"
 
     def __init__(self, token_text: Callable[[int], str], logprobs: bool):

@@ -1,8 +1,9 @@
 """The serving core every protocol shares: the server's state, sampling params, n choices, the engine's
 refusals in a protocol's own names, and the one path from prompts to a JSON response or an SSE stream.
 
-A protocol module (server.chat, server.completions) turns its request into prompt token ids (server.prompts,
-off the event loop) and a Format that writes its response; `generate` does the rest.
+A protocol module (server.chat, server.completions, server.messages) turns its request into prompt token ids
+(server.prompts, off the event loop) and a Format that writes its response; `generate` (OpenAI's sampling
+fields and n choices) or `run` (sampling params the protocol built itself) does the rest.
 """
 
 import asyncio
@@ -17,11 +18,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
-from minivllm.engine.validation import RequestError
+from minivllm.engine.validation import RequestError, check_context_length
 from server import protocol as p
 from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body
-from server.generation import Delta, Generation
+from server.generation import Delta, Generation, TokenUsage
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
 from server.settings import Settings
@@ -92,18 +93,61 @@ def sampling_params(
 
 # -- the shared path ----------------------------------------------------------------------------------------
 class Format(Protocol):
-    """How one protocol writes a generation: the whole response, or its stream of chunks. A Format whose
-    stream is more than a chunk per delta (the Responses API's typed events) has a method
+    """How one protocol writes a generation: the whole response, or its stream of events (SSE text). A
+    Format whose stream is more than a chunk per delta (the Responses API's typed events) has a method
     `events(gen, rid, model) -> AsyncIterator[str]` that writes the whole SSE body instead."""
 
     id_prefix: str
     logprobs: bool
+    # None: a stream starts once every choice has its first output. Seconds: the headers and a ping go out
+    # at once, then a ping every keepalive_s until then, so that clients with an idle timeout wait out a
+    # long prefill (refusals then arrive as the stream's error events)
+    keepalive_s: float | None
+
+    def usage(self, counts: TokenUsage) -> dict: ...
 
     def response(self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict): ...
 
+    def opening(self, rid: str, model: str, usage: dict) -> list[str]: ...
+
     def chunks(self, rid: str, model: str, d: Delta) -> list: ...
 
-    def usage_chunk(self, rid: str, model: str, usage: dict): ...
+    def frame(self, chunk) -> str: ...
+
+    def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]: ...
+
+    def error_events(self, status: int, message: str) -> list[str]: ...
+
+    def ping(self) -> str: ...
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class OpenAIEvents:
+    """OpenAI's usage and stream framing, which chat and completions share: `data: <json>` chunks, the
+    usage chunk last when asked for, `data: [DONE]` at the end (after an error too)."""
+
+    keepalive_s: float | None = None
+
+    def usage(self, counts: TokenUsage) -> dict:
+        return counts.openai()
+
+    def opening(self, rid: str, model: str, usage: dict) -> list[str]:
+        return []
+
+    def frame(self, chunk) -> str:
+        return _data(chunk)
+
+    def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]:
+        usage_chunk = [_data(self.usage_chunk(rid, model, usage))] if include_usage else []
+        return usage_chunk + [DONE]
+
+    def error_events(self, status: int, message: str) -> list[str]:
+        return [_data(error_body(status, message)), DONE]
+
+    def ping(self) -> str:
+        return ": ping\n\n"  # an SSE comment: clients skip it
 
 
 async def generate(
@@ -131,19 +175,42 @@ async def generate(
     params = [
         sampling_params(body, max_tokens, logprobs, i * body.n, structured, salt) for i in range(len(prompts))
     ]
-    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
-    gen = Generation(state.engine, rid, prompts, params, body.stop, state.metrics, hidden)
+    return await run(request, state, fmt, prompts, params, body.stop, hidden, body.stream, body.include_usage)
+
+
+async def run(
+    request: Request,
+    state: ServerState,
+    fmt: Format,
+    prompts: list[list[int]],
+    params: list[list[SamplingParams]],
+    stops: list[str],
+    hidden: frozenset[int],
+    stream: bool,
+    include_usage: bool = False,
+) -> Response:
+    """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response."""
+    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden)
     streaming = False
     try:
+        if stream and fmt.keepalive_s is not None:
+            # the stream starts before the engine answers: what the request can be refused for up front
+            # is refused here, as an HTTP error
+            for prompt, plist in zip(prompts, params, strict=True):
+                check_context_length(state.max_model_len, len(prompt), plist[0].max_tokens)
+            streaming = True
+            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage, started=False))
         await until_disconnect(request, gen.start)
-        if body.stream:
+        if stream:
             streaming = True  # from here the response closes gen
             if hasattr(fmt, "events"):
                 return GenerationStream(gen, fmt.events(gen, rid, state.model_name))
-            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, body.include_usage))
+            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage))
         per_choice = await until_disconnect(request, gen.collect)
-        return JSONResponse(fmt.response(rid, state.model_name, per_choice, gen.usage()).model_dump())
+        usage = fmt.usage(gen.token_usage())
+        return JSONResponse(fmt.response(rid, state.model_name, per_choice, usage).model_dump())
     finally:
         if not streaming:
             gen.close()
@@ -167,24 +234,53 @@ class GenerationStream(StreamingResponse):
             self.gen.close()
 
 
-async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body; if the client goes away, the generation is closed and this ends."""
+async def _sse(
+    gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool, started: bool = True
+) -> AsyncIterator[str]:
+    """The SSE body; if the client goes away, the generation is closed and this ends. started False: gen
+    starts here, with pings while it waits."""
     try:
+        if not started:
+            try:
+                async for ping in _start_with_pings(gen, fmt.keepalive_s, fmt.ping):
+                    yield ping
+            except APIError as e:
+                for event in fmt.error_events(e.status, e.message):
+                    yield event
+                return
+            except RequestError as e:
+                for event in fmt.error_events(400, f"{e.param}: {e.message}" if e.param else e.message):
+                    yield event
+                return
+        for event in fmt.opening(rid, model, fmt.usage(gen.token_usage())):
+            yield event
         async for d in gen.deltas():
             if d.error:
-                yield _data(error_body(503 if d.finish_reason == "abort" else 500, d.error))
-                break
+                for event in fmt.error_events(503 if d.finish_reason == "abort" else 500, d.error):
+                    yield event
+                return
             if d.text or d.finish_reason or (fmt.logprobs and d.logprobs):
                 for chunk in fmt.chunks(rid, model, d):
-                    yield _data(chunk)
-        else:
-            if gen.closed:
-                return  # the client is gone
-            if include_usage:
-                yield _data(fmt.usage_chunk(rid, model, gen.usage()))
-        yield "data: [DONE]\n\n"
+                    yield fmt.frame(chunk)
+        if gen.closed:
+            return  # the client is gone
+        for event in fmt.closing(rid, model, fmt.usage(gen.token_usage()), include_usage):
+            yield event
     finally:
         gen.close()
+
+
+async def _start_with_pings(gen: Generation, every_s: float, ping: Callable[[], str]) -> AsyncIterator[str]:
+    """Start gen: a ping at once, then one every every_s until every choice has its first output. A
+    refusal is raised."""
+    start = asyncio.ensure_future(gen.start())
+    try:
+        yield ping()
+        while not (await asyncio.wait({start}, timeout=every_s))[0]:
+            yield ping()
+        start.result()
+    finally:
+        start.cancel()
 
 
 def _data(payload) -> str:

@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and the handlers that make
-every failure one of them (never a bare 500 page or a crash)."""
+every failure one of them (never a bare 500 page or a crash). Anthropic's routes (/v1/messages...) answer
+in Anthropic's shape instead: `{"type": "error", "error": {"type", "message"}}`."""
 
 import logging
 
@@ -19,6 +20,18 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"  # and the paths under it
 
 
 class APIError(Exception):
@@ -38,11 +51,10 @@ class APIError(Exception):
         self.code = code
         self.headers = headers  # e.g. Retry-After on a 429
 
-    def body(self) -> dict:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return error_response(
+            self.status, self.message, path=path, param=self.param, code=self.code, headers=self.headers
+        )
 
 
 class ClientDisconnected(Exception):
@@ -54,13 +66,38 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
 
 
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict:
+    """Anthropic's error has no param field: the message names it (as Anthropic's own messages do)."""
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": _printable(message)}}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
 def _printable(text: str | None) -> str | None:
     """Text that encodes as UTF-8: a message may echo client input, which can hold lone surrogates."""
     return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_response(status: int, message: str, **kw) -> JSONResponse:
-    return JSONResponse(error_body(status, message, **kw), status_code=status)
+def error_response(
+    status: int,
+    message: str,
+    *,
+    path: str = "",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error in the shape of the protocol that path belongs to."""
+    if is_anthropic(path):
+        body = anthropic_error_body(status, message, param)
+    else:
+        body = error_body(status, message, param=param, code=code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -72,7 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -80,16 +117,18 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    path = request.url.path
     if first.get("type") == "json_invalid":
-        return error_response(400, f"invalid JSON body: {first.get('msg', '')}", code="invalid_json")
+        message = f"invalid JSON body: {first.get('msg', '')}"
+        return error_response(400, message, path=path, code="invalid_json")
     messages = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}" for e in errors
     )
-    return error_response(400, messages or "invalid request", param=param)
+    return error_response(400, messages or "invalid request", path=path, param=param)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
 
 async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
@@ -98,4 +137,4 @@ async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", path=request.url.path)

@@ -1,5 +1,6 @@
-"""What every HTTP request passes before the app: the bearer-key check on /v1 routes, the request-size limit,
-and the request counts by endpoint and status.
+"""What every HTTP request passes before the app: the API-key check on /v1 routes (`Authorization: Bearer
+<key>`, or Anthropic's `x-api-key: <key>`), the request-size limit, and the request counts by endpoint and
+status. Its errors take the shape of the route's protocol (server.errors).
 
 Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched. The size
 limit holds before anything parses the body: a Content-Length over it is answered at once without reading,
@@ -22,6 +23,8 @@ ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/cache/stats",
 )
 
@@ -58,7 +61,10 @@ class GatewayMiddleware:
                 scope.setdefault("state", {})["key_domain"] = key_domain(key)
             if path.startswith("/v1") and key is None:
                 response = error_response(
-                    401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+                    401,
+                    "missing or invalid API key (Authorization: Bearer <key>, or x-api-key: <key>)",
+                    path=path,
+                    code="invalid_api_key",
                 )
                 return await response(scope, receive, send_observed)
             limit = state.settings.max_request_bytes if state else None
@@ -67,7 +73,7 @@ class GatewayMiddleware:
             declared = _content_length(scope)
             if declared is not None and declared > limit:
                 too_large = RequestTooLarge(limit)
-                response = error_response(too_large.status_code, too_large.detail)
+                response = error_response(too_large.status_code, too_large.detail, path=path)
                 return await response(scope, receive, send_observed)
             await self.app(scope, _limited(receive, limit), send_observed)
         finally:
@@ -77,16 +83,16 @@ class GatewayMiddleware:
 
 def _request_key(scope, state) -> str | None:
     """The accepted key the request carries ("" when the server needs none), or None if it carries none
-    of them. Every accepted key is compared, in constant time, so the timing tells nothing."""
+    of them: as a bearer token, or in x-api-key (Anthropic's clients send it there). Every accepted key is
+    compared, in constant time, so the timing tells nothing."""
     keys = state.settings.accepted_keys if state else ()
     if not keys:
         return ""
-    header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    matches = [hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys]
-    return keys[matches.index(True)] if any(matches) else None
+    headers = dict(scope["headers"])
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    offered = token.strip().encode() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").strip()
+    matches = [hmac.compare_digest(offered, k.encode()) for k in keys]
+    return keys[matches.index(True)] if offered and any(matches) else None
 
 
 def key_domain(key: str) -> str:

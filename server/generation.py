@@ -1,5 +1,5 @@
 """One API request's generation: n engine requests, detokenized, cut at stop strings, merged into one
-stream of deltas that chat and completions format their own way.
+stream of deltas that each protocol formats its own way.
 
 Each choice runs in its own task, consuming the engine's `generate`; closing a Generation cancels the tasks,
 which closes the engine iterators and so aborts the requests and frees their pages.
@@ -44,6 +44,7 @@ class TextStream:
         self.text = ""  # everything decoded so far
         self.sent = 0  # text[:sent] has been released
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (Anthropic reports it)
 
     def add(self, token_ids: list[int]) -> str:
         for t in token_ids:
@@ -66,10 +67,10 @@ class TextStream:
         if self.stopped:
             return ""
         # text held back earlier always covers the start of any stop string, so search from `sent`
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        hits = [(i, len(s), s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
         if hits:
             self.stopped = True
-            end = min(hits)
+            end, _, self.stop_string = min(hits)  # the first in the text; of two there, the one done first
         else:
             end = len(self.text) if final else len(self.text) - self._held_back()
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
@@ -94,6 +95,26 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None = None
     error: str | None = None
+    stop_string: str | None = None  # with finish reason "stop": the stop string that matched, if one did
+
+
+@dataclass
+class TokenUsage:
+    """A generation's token counts. The prompt's tokens are restored from the cache (cached), published
+    to it by this request (created: whole pages within the prompt), or computed and kept private."""
+
+    prompt: int
+    cached: int
+    created: int
+    completion: int
+
+    def openai(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt,
+            "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        }
 
 
 @dataclass
@@ -121,7 +142,7 @@ class Choice:
         if reason in ("error", "abort"):
             error = out.error or ("request aborted" if reason == "abort" else "request failed")
         self.done = reason is not None
-        return Delta(self.index, piece, tokens, logprobs, reason, error)
+        return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string)
 
 
 class Generation:
@@ -198,16 +219,20 @@ class Generation:
         return per_choice
 
     def usage(self) -> dict:
+        """OpenAI's usage object."""
+        return self.token_usage().openai()
+
+    def token_usage(self) -> TokenUsage:
         outs = [(c, c.last) for c in self.choices if c.last is not None]
-        prompt = sum(o.num_prompt_tokens for c, o in outs if c.first_of_prompt)
-        cached = sum(o.num_cached_tokens for c, o in outs if c.first_of_prompt)
+        firsts = [o for c, o in outs if c.first_of_prompt]
+        prompt = sum(o.num_prompt_tokens for o in firsts)
+        cached = sum(o.num_cached_tokens for o in firsts)
+        # a page evicted and computed again after a preemption is published twice: at most the rest
+        created = sum(
+            min(o.num_published_prompt_tokens, o.num_prompt_tokens - o.num_cached_tokens) for o in firsts
+        )
         completion = sum(o.num_output_tokens for _, o in outs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        return TokenUsage(prompt, cached, created, completion)
 
     # -- one choice -----------------------------------------------------------------------------------
     async def _run(self, c: Choice) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 
 from server import protocol as p
-from server.core import ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
 from server.errors import APIError
 from server.generation import Delta, Generation
 from server.responses_protocol import (
@@ -32,7 +32,7 @@ from server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from server.structured import output_grammar
+from server.structured import format_grammar
 from server.tools import ToolCalling, ToolCallStream
 
 router = APIRouter()
@@ -44,7 +44,7 @@ async def responses(body: ResponsesRequest, request: Request):
     st.check_model(body.model)
     calling = tool_calling(body, st.engine.tokenizer)
     text_format = body.text_format
-    structured = output_grammar(text_format and text_format.response_format(), calling, "text.format")
+    structured = format_grammar(text_format and text_format.response_format(), calling, "text.format")
     names = {
         "prompt": "input",
         "max_tokens": "max_output_tokens",
@@ -195,7 +195,7 @@ class OutputItems:
         ]
 
 
-class ResponsesFormat:
+class ResponsesFormat(OpenAIEvents):
     """Writes the response object, or the stream of its events, each numbered (sequence_number)."""
 
     id_prefix = "resp"

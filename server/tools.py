@@ -59,32 +59,50 @@ class ToolCalling:
 
     @classmethod
     def of(cls, body: p.ChatCompletionRequest, tokenizer) -> "ToolCalling | None":
-        """None when the request uses no tools (none given, or tool_choice "none")."""
-        names = [t.function.name for t in body.tools or []]
+        """A chat request's tools; None when it uses none (none given, or tool_choice "none")."""
+        choice = body.tool_choice
+        if isinstance(choice, p.NamedToolChoice):
+            choice = choice.function
+        text_answer = body.response_format is None or body.response_format.type == "text"
+        calling = cls.build(body.tools or [], choice, body.parallel_tool_calls, tokenizer, text_answer)
+        if calling is not None and body.logprobs:
+            raise APIError(400, "logprobs are not supported together with tools", param="logprobs")
+        return calling
+
+    @classmethod
+    def build(
+        cls,
+        tools: list[p.Tool],
+        choice: str | p.NamedFunction | None,
+        parallel: bool,
+        tokenizer,
+        text_answer: bool = True,
+    ) -> "ToolCalling | None":
+        """Any protocol's tools (as function tools: name, description, parameters) and its choice: None or
+        "auto", "none", "required" (some call), or the function to call. None when no tool is used.
+        text_answer: no JSON answer format competes with a bare call (see parse_bare)."""
+        names = [t.function.name for t in tools]
         if len(set(names)) != len(names):
             raise APIError(400, "tool names must be unique", param="tools")
-        choice = body.tool_choice
         if choice not in (None, "none", "auto") and not names:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        if isinstance(choice, p.NamedToolChoice):
-            if choice.function.name not in names:
-                raise APIError(400, f"no tool named {choice.function.name!r} in tools", param="tool_choice")
-            choice = choice.function.name
-        if not body.uses_tools:
+        used = bool(tools) and choice != "none"
+        if isinstance(choice, p.NamedFunction):
+            if choice.name not in names:
+                raise APIError(400, f"no tool named {choice.name!r} in tools", param="tool_choice")
+            choice = choice.name
+        if not used:
             return None
         if not tokenizer.has_tool_calling:
             raise APIError(400, "this model's chat template has no tool-call format", param="tools")
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported together with tools", param="logprobs")
         return cls(
-            tools=body.tools,
+            tools=tools,
             choice=choice or "auto",
-            parallel=body.parallel_tool_calls,
+            parallel=parallel,
             start=tokenizer.tool_call_start,
             end=tokenizer.tool_call_end,
             parser=tokenizer.tool_parser,
-            bare_calls=choice in (None, "auto")
-            and (body.response_format is None or body.response_format.type == "text"),
+            bare_calls=choice in (None, "auto") and text_answer,
             start_token=tokenizer.added_token_id(tokenizer.tool_call_start),
             end_token=tokenizer.added_token_id(tokenizer.tool_call_end),
         )

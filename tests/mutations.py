@@ -359,6 +359,39 @@ MUTATIONS = [
         "return list(self.tools or ())",
         ("tests/test_responses.py", "-k", "built_in"),
     ),
+    # -- the Anthropic Messages API --------------------------------------------------------------------------
+    Mutation(
+        "billing-header-in-the-prompt",
+        "Claude Code's billing header (a new cch every request) is templated into the prompt",
+        "server/anthropic_protocol.py",
+        "if blocks and blocks[0].text.startswith(BILLING_HEADER):",
+        "if False:",
+        ("tests/test_messages.py", "-k", "billing"),
+    ),
+    Mutation(
+        "cache-creation-counts-output-pages",
+        "pages published past the prompt count as prompt tokens the request cached",
+        KV_MANAGER,
+        "if end <= seq.num_prompt_tokens:",
+        "if True:",
+        ("tests/test_prefix_cache.py", "-k", "repeated"),
+    ),
+    Mutation(
+        "stop-sequence-unreported",
+        "an answer cut at a stop sequence reports end_turn",
+        "server/messages.py",
+        '    if d.stop_string is not None:\n        return "stop_sequence"',
+        '    if False:\n        return "stop_sequence"',
+        ("tests/test_messages.py", "-k", "stop_sequence"),
+    ),
+    Mutation(
+        "no-pings-before-the-first-token",
+        "a stream waits for the first token before it sends anything",
+        "server/core.py",
+        "        if stream and fmt.keepalive_s is not None:",
+        "        if False:",
+        ("tests/test_messages.py", "-k", "ping or order"),
+    ),
     # -- paged attention and page placement ---------------------------------------------------------------
     Mutation(
         "causal-block-sees-a-future-key",

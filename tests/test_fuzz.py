@@ -1,6 +1,7 @@
 """Property-based fuzzing of the server's own OpenAPI schema (schemathesis, on hypothesis): valid and invalid
 requests to every endpoint, against a real tiny-model server. Any 5xx fails, and so does an error that is not
-OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`).
+OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), or Anthropic-shaped on Anthropic's routes
+(`{"type": "error", "error": {"type", "message"}}`).
 
 Half the generated bodies name the served model, with small max_tokens and n (random names only reach the
 404, random lengths mostly the context check), so generation runs too; the context is 128 tokens, which keeps
@@ -55,8 +56,14 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 @schemathesis.check
 def openai_shaped_error(ctx, response, case):
-    """Every 4xx / 5xx body is {"error": {"message": str, "type": str, "param": str|None, "code": str|None}}."""
+    """Every 4xx / 5xx body is {"error": {"message": str, "type": str, "param": str|None, "code": str|None}},
+    or on /v1/messages... {"type": "error", "error": {"type": str, "message": str}}."""
     if response.status_code < 400:
+        return True
+    if case.path.startswith("/v1/messages"):
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, response.text
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], response.text
         return True
     error = response.json().get("error")
     assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, response.text
@@ -99,15 +106,39 @@ _completion = st.tuples(
     _sampling, st.one_of(_text.filter(bool), st.lists(st.integers(0, 383), min_size=1, max_size=12))
 ).map(lambda t: ("/v1/completions", t[0] | {"prompt": t[1], "logprobs": 1}))
 CHAT_PATH = "/v1/chat/completions"
+_messages = st.fixed_dictionaries(
+    {
+        "model": st.just(MODEL),
+        "max_tokens": st.integers(1, 6),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": _text}), min_size=1, max_size=2
+        ),
+    },
+    optional={
+        "system": _text,
+        "temperature": st.one_of(st.floats(0, 1), st.sampled_from([0.0, 5e-324, 1.0])),
+        "top_p": st.one_of(st.floats(5e-324, 1), st.just(1.0)),
+        "top_k": st.integers(0, 10_000),
+        "stop_sequences": st.lists(_text.filter(bool), max_size=4),
+        "stream": st.booleans(),
+        "metadata": st.fixed_dictionaries({"user_id": _text}),
+    },
+).map(lambda body: ("/v1/messages", body))
 
 
-@given(request=st.one_of(_chat, _completion))
+@given(request=st.one_of(_chat, _completion, _messages))
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_legal_requests_with_extreme_values_succeed(fuzz_server, request):
     path, body = request
     r = httpx.post(fuzz_server.url + path, json=body, timeout=30)
     assert r.status_code == 200, (body, r.text)
-    if body.get("stream"):
+    if path == "/v1/messages":
+        if body.get("stream"):
+            events = [line for line in r.text.splitlines() if line.startswith("event: ")]
+            assert events[-1] == "event: message_stop" and "event: error" not in events, r.text
+        else:
+            assert r.json()["type"] == "message"
+    elif body.get("stream"):
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and '"error"' not in r.text, r.text
     else:

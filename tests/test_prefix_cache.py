@@ -49,6 +49,9 @@ def test_repeated_prompt_restores_whole_pages_but_the_last_token(tiny_model_dir,
     # the warm run's recomputed pages are twins of published ones and stay private
     assert cold.num_pages_published == (n + 8 - 1) // 16
     assert warm.num_pages_published == 0
+    # the prompt tokens of the published pages: the prompt's whole pages, created by the cold run only
+    assert cold.num_published_prompt_tokens == n // 16 * 16
+    assert warm.num_published_prompt_tokens == 0
     stats = engine.stats()
     assert stats["prefix_hit_tokens"] == restored and stats["prefix_query_tokens"] == 2 * n
 

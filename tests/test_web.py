@@ -73,7 +73,10 @@ def long_answer_prompt(server) -> str:
     for i in range(20):
         text = f"Write a very long story, number {i}."
         r = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": text}], max_tokens=ANSWER_TOKENS, temperature=0
+            model="tiny",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=ANSWER_TOKENS,
+            temperature=0,
         )
         if r.choices[0].finish_reason == "length":
             return text

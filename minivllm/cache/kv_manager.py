@@ -103,9 +103,15 @@ class KVManager:
         hashes = seq.full_page_hashes(self.page_size)
         full = min(seq.num_computed_tokens // self.page_size, len(hashes))
         for i in range(seq.publish_cursor, full):
-            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            end = (i + 1) * self.page_size
+            tokens = seq.token_ids[end - self.page_size : end]
             parent = hashes[i - 1] if i else None
-            seq.num_pages_published += self.pool.publish(seq.page_table[i], hashes[i], parent, tokens)
+            if self.pool.publish(seq.page_table[i], hashes[i], parent, tokens):
+                seq.num_pages_published += 1
+                # a page wholly within the prompt is prompt cache a later request can restore
+                # (Anthropic's usage counts it as cache creation)
+                if end <= seq.num_prompt_tokens:
+                    seq.num_published_prompt_tokens += self.page_size
         seq.publish_cursor = max(seq.publish_cursor, full)
 
     def release(self, seq: "Sequence") -> None:

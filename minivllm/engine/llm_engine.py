@@ -42,6 +42,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
     num_pages_published: int = 0
+    num_published_prompt_tokens: int = 0  # prompt tokens in the pages it published: cache it created
     num_output_tokens: int = 0
     flight_role: str | None = None
     stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
@@ -233,6 +234,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
             num_pages_published=seq.num_pages_published,
+            num_published_prompt_tokens=seq.num_published_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             flight_role=seq.flight_role,
             stop_token_id=seq.stop_token_id,

@@ -41,6 +41,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     publish_cursor: int = 0  # pages of page_table already considered for publication
     num_pages_published: int = 0  # pages this request made reusable, over all admissions
+    num_published_prompt_tokens: int = 0  # prompt tokens of those pages (whole pages within the prompt)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
     num_computed_prompt_tokens: int = (
         0  # prompt tokens this request ran through the model, over all admissions
