@@ -51,7 +51,8 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
             if owned:
                 eng.shutdown()  # on the loop thread: it ends the open streams (asyncio queues are not thread-safe)
 
-    app = FastAPI(title="minivllm", lifespan=lifespan)
+    # no /docs or /redoc: their pages load scripts from a CDN (this server works offline); /openapi.json stays
+    app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(GatewayMiddleware, metrics=metrics)
     install_error_handlers(app)
     for routes in (router, chat.router, completions.router, messages.router, responses.router, web.router):
@@ -83,7 +84,7 @@ def _configure_logging(level: str) -> None:
 router = APIRouter()  # the routes every server has; each protocol module has its own
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
     engine = request.app.state.server.engine
     if not engine.is_running:

@@ -9,6 +9,7 @@ and a chunked body is counted as it arrives and refused the moment it passes the
 
 import hashlib
 import hmac
+import ipaddress
 
 from starlette.exceptions import HTTPException
 
@@ -56,6 +57,11 @@ class GatewayMiddleware:
 
         try:
             state = getattr(scope["app"].state, "server", None)
+            if not _host_allowed(scope, state):
+                response = error_response(
+                    400, "this server does not answer to that Host (MINIVLLM_ALLOWED_HOSTS)", path=path
+                )
+                return await response(scope, receive, send_observed)
             key = _request_key(scope, state)
             if key:  # the key's own prefix-cache domain (server.core.cache_salt)
                 scope.setdefault("state", {})["key_domain"] = key_domain(key)
@@ -93,6 +99,30 @@ def _request_key(scope, state) -> str | None:
     offered = token.strip().encode() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").strip()
     matches = [hmac.compare_digest(offered, k.encode()) for k in keys]
     return keys[matches.index(True)] if offered and any(matches) else None
+
+
+def _host_allowed(scope, state) -> bool:
+    """localhost and IP addresses always (a DNS-rebinding page comes with a host name it controls), other
+    names only when listed in MINIVLLM_ALLOWED_HOSTS ("*": any)."""
+    raw = dict(scope["headers"]).get(b"host")
+    if raw is None:
+        return True  # HTTP/1.0 and in-process clients: nothing a browser sends
+    host = raw.decode("latin-1").strip().lower()
+    host = (
+        host[1 : host.index("]")] if host.startswith("[") and "]" in host else host.rpartition(":")[0] or host
+    )
+    if host == "localhost" or host.endswith(".localhost") or _is_ip(host):
+        return True
+    allowed = (state.settings.allowed_hosts or ()) if state else ()
+    return "*" in allowed or host in {h.lower() for h in allowed}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def key_domain(key: str) -> str:

@@ -248,6 +248,18 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("only the text modality is supported")
         return v
 
+    @model_validator(mode="after")
+    def _one_token_limit(self):
+        # both set and different: which one the client meant is unknown (and each must fit the context)
+        if (
+            None not in (self.max_tokens, self.max_completion_tokens)
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise ValueError(
+                "max_tokens and max_completion_tokens differ: send one (max_tokens is deprecated)"
+            )
+        return self
+
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, v, info):

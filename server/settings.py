@@ -189,6 +189,15 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "several accepted keys, comma-separated (with MINIVLLM_API_KEY: either); each key is its own prefix-cache domain",
     ),
+    Option(
+        "allowed_hosts",
+        "MINIVLLM_ALLOWED_HOSTS",
+        tuple[str, ...] | None,
+        _parse_keys,
+        None,
+        "host names the server answers to besides localhost and IP addresses, comma-separated (* for any); "
+        "other Host headers get 400, so a web page's DNS rebinding cannot reach it",
+    ),
     Option("log_level", "MINIVLLM_LOG_LEVEL", str, _choice(LOG_LEVELS), "info", "log level"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}

@@ -469,3 +469,25 @@ def test_the_grammar_cache_is_bounded_by_bytes_and_huge_grammars_are_refused(tin
     with pytest.raises(RequestError, match="grammar is") as refused:
         compiler.matcher(huge)
     assert refused.value.param == "structured_output"
+
+
+def test_head_health_docs_off_and_a_foreign_host_refused(server):
+    assert httpx.head(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/docs").status_code == 404  # its page would load a CDN's scripts
+    assert httpx.get(server.url + "/openapi.json").status_code == 200
+    rebound = httpx.get(server.url + "/v1/models", headers={"Host": "attacker.example:8000"})
+    assert rebound.status_code == 400 and "Host" in rebound.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models", headers={"Host": "localhost:8000"}).status_code == 200
+
+
+def test_a_listed_host_is_allowed(tiny_model_dir):
+    with ServerThread(tiny_settings(tiny_model_dir, allowed_hosts=("llm.lan",))) as s:
+        assert httpx.get(s.url + "/v1/models", headers={"Host": "llm.lan:8000"}).status_code == 200
+        assert httpx.get(s.url + "/v1/models", headers={"Host": "other.lan"}).status_code == 400
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
+    r = _post(server, CHAT, json={**body, "max_tokens": 10**9})
+    assert "max_completion_tokens differ" in assert_error(r, 400)["message"]
+    assert _post(server, CHAT, json={**body, "max_tokens": 4}).status_code == 200
