@@ -22,6 +22,7 @@ from server.gateway import GatewayMiddleware
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
 from server.settings import Settings
+from server.shutdown import limit_shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,16 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         metrics.bind_engine(eng)
         app.state.server = _state(settings, eng, metrics)
         logger.info("serving %s (max_model_len %d)", app.state.server.model_name, eng.max_model_len)
+        reason = f"server shutting down (open past MINIVLLM_SHUTDOWN_TIMEOUT={settings.shutdown_timeout:g} s)"
+        undo = limit_shutdown(
+            asyncio.get_running_loop(),
+            lambda: app.state.server.end_streams(reason),
+            settings.shutdown_timeout,
+        )
         try:
             yield
         finally:
+            undo()
             app.state.server.prompts.close()
             if owned:
                 eng.shutdown()  # on the loop thread: it ends the open streams (asyncio queues are not thread-safe)

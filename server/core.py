@@ -11,7 +11,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import Request
@@ -40,6 +40,14 @@ class ServerState:
     prompts: PromptBuilder
     special_token_ids: frozenset[int]  # left out of output text unless a request asks for them
     token_bytes: Callable[[int], bytes]  # one token's own bytes, for logprobs
+    streams: set[Generation] = field(default_factory=set)  # the generations of open streams
+
+    def end_streams(self, reason: str) -> int:
+        """End every open stream with an error event; how many there were."""
+        open_now = list(self.streams)
+        for gen in open_now:
+            gen.fail(reason)
+        return len(open_now)
 
     @property
     def max_model_len(self) -> int:
@@ -227,9 +235,12 @@ class GenerationStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         watcher.add_done_callback(lambda t: t.cancelled() or self.gen.close())
+        streams = scope["app"].state.server.streams
+        streams.add(self.gen)
         try:
             await super().__call__(scope, receive, send)
         finally:
+            streams.discard(self.gen)
             watcher.cancel()
             self.gen.close()
 

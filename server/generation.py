@@ -186,6 +186,15 @@ class Generation:
             self.close()
             raise _api_error(refused)
 
+    def fail(self, reason: str) -> None:
+        """End every unfinished choice with an error (its stream's error event), then close."""
+        if self.closed:
+            return
+        for c in self.choices:
+            if not c.done:
+                self.events.put_nowait(Delta(c.index, "", [], [], "abort", reason))
+        self.close()
+
     def close(self) -> None:
         """Abort what still runs (synchronous, so it is safe in any finally, even under cancellation)."""
         if self.closed:

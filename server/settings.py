@@ -50,6 +50,16 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"expected 1/0/true/false, got {raw!r}")
 
 
+def _parse_seconds(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"expected seconds >= 0, got {raw!r}")
+    return value
+
+
 def _parse_keys(raw: str) -> tuple[str, ...]:
     keys = tuple(k.strip() for k in raw.split(",") if k.strip())
     if not keys:
@@ -188,6 +198,14 @@ OPTIONS: tuple[Option, ...] = (
         _parse_keys,
         None,
         "several accepted keys, comma-separated (with MINIVLLM_API_KEY: either); each key is its own prefix-cache domain",
+    ),
+    Option(
+        "shutdown_timeout",
+        "MINIVLLM_SHUTDOWN_TIMEOUT",
+        float,
+        _parse_seconds,
+        30.0,
+        "seconds a shutdown (SIGTERM) waits for open streams; then they end with an error event",
     ),
     Option(
         "allowed_hosts",

@@ -4,6 +4,7 @@ plus the engine and cache pieces underneath (admission, context clamp, stale tem
 import asyncio
 import json
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -491,3 +492,42 @@ def test_max_tokens_and_max_completion_tokens_must_agree(server):
     r = _post(server, CHAT, json={**body, "max_tokens": 10**9})
     assert "max_completion_tokens differ" in assert_error(r, 400)["message"]
     assert _post(server, CHAT, json={**body, "max_tokens": 4}).status_code == 200
+
+
+def test_sigterm_ends_streams_still_open_after_the_shutdown_timeout(tiny_model_dir, tmp_path):
+    """A stream that would run for minutes: SIGTERM, then after MINIVLLM_SHUTDOWN_TIMEOUT it ends with an
+    error event and the server exits (it once waited for every stream, however long)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MINIVLLM_MODEL": str(tiny_model_dir), "MINIVLLM_MODEL_NAME": MODEL,
+           "MINIVLLM_SHUTDOWN_TIMEOUT": "1", "MINIVLLM_LOG_LEVEL": "warning"}  # fmt: skip
+    cmd = [sys.executable, "-m", "uvicorn", "server.app:app", "--host", "127.0.0.1", "--port", str(port)]
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(cmd, env=env, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:  # until it answers (it loads the model first)
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "once", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # it streams
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        errors = [json.loads(line[6:]) for line in rest if line.startswith("data: {") and '"error"' in line]
+        assert errors and "shutting down" in errors[0]["error"]["message"]
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+    finally:
+        proc.kill()
