@@ -128,7 +128,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), path=request.url.path)
+    return error_response(exc.status_code, str(exc.detail), path=request.url.path, headers=exc.headers)
 
 
 async def _disconnected(request: Request, exc: ClientDisconnected) -> Response:

@@ -38,16 +38,46 @@ class RequestTooLarge(HTTPException):
         super().__init__(413, f"request body is larger than {limit} bytes (MINIVLLM_MAX_REQUEST_BYTES)")
 
 
+class TooManyBodies(HTTPException):
+    """The bodies of the requests in flight would pass MINIVLLM_MAX_INFLIGHT_BODY_BYTES: retry shortly."""
+
+    def __init__(self, budget: int):
+        message = (
+            f"request bodies in flight would pass {budget} bytes (MINIVLLM_MAX_INFLIGHT_BODY_BYTES); retry"
+        )
+        super().__init__(429, message, headers={"Retry-After": "1"})
+
+
 class GatewayMiddleware:
     def __init__(self, app, metrics: Metrics):
         self.app = app
         self.metrics = metrics
+        self.body_bytes = 0  # bytes of the bodies of the requests in flight (each parsed body lives as long)
+
+    def _limited(self, receive, limit: int, budget: int, held: list[int]):
+        """receive(), counting body bytes: past `limit` for this request it raises RequestTooLarge, past
+        `budget` for all requests in flight TooManyBodies, instead of returning them."""
+
+        async def receive_limited():
+            message = await receive()
+            if message["type"] == "http.request":
+                n = len(message.get("body", b""))
+                held[0] += n
+                self.body_bytes += n
+                if held[0] > limit:
+                    raise RequestTooLarge(limit)
+                if self.body_bytes > budget:
+                    raise TooManyBodies(budget)
+            return message
+
+        return receive_limited
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         status = 500  # if nothing gets sent
+        held = [0]  # this request's body bytes counted in self.body_bytes
 
         async def send_observed(message):
             nonlocal status
@@ -77,12 +107,20 @@ class GatewayMiddleware:
             if limit is None:
                 return await self.app(scope, receive, send_observed)
             declared = _content_length(scope)
+            budget = state.settings.max_inflight_body_bytes
+            refusal = None
             if declared is not None and declared > limit:
-                too_large = RequestTooLarge(limit)
-                response = error_response(too_large.status_code, too_large.detail, path=path)
+                refusal = RequestTooLarge(limit)
+            elif declared and self.body_bytes + declared > budget:
+                refusal = TooManyBodies(budget)
+            if refusal is not None:
+                response = error_response(
+                    refusal.status_code, refusal.detail, path=path, headers=refusal.headers
+                )
                 return await response(scope, receive, send_observed)
-            await self.app(scope, _limited(receive, limit), send_observed)
+            await self.app(scope, self._limited(receive, limit, budget, held), send_observed)
         finally:
+            self.body_bytes -= held[0]
             endpoint = path if path in ENDPOINTS else "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
@@ -136,19 +174,3 @@ def _content_length(scope) -> int | None:
         return int(raw) if raw is not None else None
     except ValueError:
         return None  # the ASGI server refuses a malformed length before we see the request
-
-
-def _limited(receive, limit: int):
-    """receive(), counting body bytes: past `limit` it raises RequestTooLarge instead of returning them."""
-    received = 0
-
-    async def receive_limited():
-        nonlocal received
-        message = await receive()
-        if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise RequestTooLarge(limit)
-        return message
-
-    return receive_limited

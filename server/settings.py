@@ -184,6 +184,14 @@ OPTIONS: tuple[Option, ...] = (
         "largest request body in bytes, K/M/G suffixes allowed; larger bodies get HTTP 413 unread",
     ),
     Option(
+        "max_inflight_body_bytes",
+        "MINIVLLM_MAX_INFLIGHT_BODY_BYTES",
+        int,
+        _parse_bytes,
+        16 * DEFAULT_MAX_REQUEST_BYTES,
+        "bytes of request bodies in flight at once, K/M/G suffixes allowed; past it requests get HTTP 429",
+    ),
+    Option(
         "api_key",
         "MINIVLLM_API_KEY",
         str | None,

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -531,3 +532,33 @@ def test_sigterm_ends_streams_still_open_after_the_shutdown_timeout(tiny_model_d
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
     finally:
         proc.kill()
+
+
+def test_the_bytes_of_bodies_in_flight_are_bounded(tiny_model_dir):
+    """A body half sent holds its bytes: a second that would pass the budget gets 429 with Retry-After,
+    and once the first is gone the second goes through."""
+    with ServerThread(tiny_settings(tiny_model_dir, max_inflight_body_bytes=3000)) as s:
+        body = json.dumps({"model": MODEL, "prompt": "x" * 1900, "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", s.port)) as slow:
+            head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
+            slow.sendall(head.encode() + body[:-10])  # all but its end: the server holds what it got
+            deadline = time.monotonic() + 30
+            while _gateway(s).body_bytes < len(body) - 10:
+                assert time.monotonic() < deadline, "the first body never arrived"
+                time.sleep(0.01)
+            r = httpx.post(s.url + COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
+            assert assert_error(r, 429) and r.headers["Retry-After"] == "1"
+        deadline = time.monotonic() + 30
+        while _gateway(s).body_bytes:  # the first connection is closed: its bytes come back
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(s.url + COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200
+
+
+def _gateway(server):
+    """The running app's GatewayMiddleware instance."""
+    app = server.app.middleware_stack
+    while not hasattr(app, "body_bytes"):
+        app = app.app
+    return app
