@@ -13,6 +13,24 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_JSON_NESTING = 128  # of JSON text inside a field (tool-call arguments); the body parser bounds the rest
+
+
+def _nesting(text: str) -> int:
+    """The deepest bracket nesting of JSON text, outside strings (a bound checked before parsing)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
 
 
 def _valid_unicode(text: str) -> str:
@@ -103,6 +121,8 @@ class FunctionCall(RequestModel):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, v: str) -> str:
+        if _nesting(v) > MAX_JSON_NESTING:  # json.loads would recurse past Python's stack
+            raise ValueError(f"arguments nest deeper than {MAX_JSON_NESTING} levels")
         try:
             value = json.loads(v)
         except ValueError as e:

@@ -562,3 +562,15 @@ def _gateway(server):
     while not hasattr(app, "body_bytes"):
         app = app.app
     return app
+
+
+def test_tool_call_arguments_nested_deeply_are_a_400_not_a_500(server):
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    r = _post(server, CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert "nest deeper" in assert_error(r, 400)["message"]
