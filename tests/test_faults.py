@@ -259,3 +259,14 @@ def test_an_aborted_request_is_returned_by_llm_generate(tiny_model_dir, monkeypa
     aborted, finished = llm.generate(random_prompts([12, 30], seed=36), greedy(6))
     assert (aborted.finish_reason, len(aborted.token_ids), aborted.error) == ("abort", 1, None)
     assert (finished.finish_reason, len(finished.token_ids)) == ("length", 6)
+
+
+def test_a_fault_never_relabels_an_aborted_request_as_failed(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    seq = engine.add_request("gone", [1, 2, 3, 4], greedy(8))
+    engine.step()
+    engine.abort_request("gone")  # the client left; then the step it was part of faults
+    outputs = engine.fail([seq], InjectedFault("injected fault"))
+    assert seq.finish_reason == "abort"
+    assert all(o.finish_reason == "abort" for o in outputs if o.request_id == "gone")
+    engine.check_invariants()

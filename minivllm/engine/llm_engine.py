@@ -207,8 +207,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, "error")
             except Exception:  # the request is finished all the same; only its flight bookkeeping failed
                 logger.exception("while failing request %s", seq.request_id)
-            # also when it finished earlier in the faulted step: its last output was lost
-            seq.finish_reason = "error"
+            # also when it finished earlier in the faulted step (its last output was lost), but an abort
+            # stays an abort: nobody waits for that request's output
+            if seq.finish_reason != "abort":
+                seq.finish_reason = "error"
         for seq in reversed(self.scheduler.running):  # newest first, so the oldest ends up first in line
             self.scheduler.requeue(seq)
         self.runner.reset_kv()
