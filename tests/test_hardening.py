@@ -574,3 +574,22 @@ def test_tool_call_arguments_nested_deeply_are_a_400_not_a_500(server):
     ]
     r = _post(server, CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 2})
     assert "nest deeper" in assert_error(r, 400)["message"]
+
+
+def test_importing_the_server_keeps_the_processes_open_file_limit():
+    """mlx-lm sets RLIMIT_NOFILE to (2048, 4096) at import; the server keeps what the shell allowed and
+    raises its soft limit to the hard one (a fresh interpreter: this one imported mlx-lm long ago)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))\n"
+        "import server.app, mlx_lm.utils\n"
+        "now_soft, now_hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "print(now_hard == hard and now_soft >= min(hard, 10240) and now_soft > 1024)\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == "True", out.stdout

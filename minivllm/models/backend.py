@@ -39,6 +39,10 @@ OPENBLAS_PATH = _preload_openblas()
 
 import mlx.core as mx  # noqa: E402  (must come after the preload)
 
+from minivllm.models.fd_limit import import_mlx_lm_keeping_the_fd_limit  # noqa: E402
+
+import_mlx_lm_keeping_the_fd_limit()  # before any other module imports mlx_lm
+
 
 @dataclass(frozen=True)
 class Backend:
