@@ -235,3 +235,20 @@ def test_fairness_measures_shorts_and_the_stream_during_a_long_prefill(tmp_path)
     row = fairness.row("minivllm", "HEAD", m, args.prompt_tokens)
     assert row["short requests"] >= 1 and row["short TTFT p99 ms"] < 60_000
     assert m["steps"] > 0 and m["gaps"] and 0 < row["stream tokens per step"] <= 1
+
+
+def test_agent_session_quick_on_the_tiny_model(tiny_model_dir, tmp_path):
+    """benchmarks.agent_session end to end on the tiny model: both protocols, every turn and subagent
+    measured, later turns restored from the prefix cache."""
+    from benchmarks import agent_session
+
+    argv = ["--model", str(tiny_model_dir), "--system-tokens", "200", "--turns", "3", "--fan-out-turn", "1"]
+    argv += ["--out", str(tmp_path)]
+    agent_session.main(argv + ["--result-tokens", "40", "--allow-dirty", "--quick"])
+    (path,) = tmp_path.glob("agent_session-quick*.json")  # -DIRTY when run from a changed tree
+    record = json.loads(path.read_text())
+    turns = record["raw"]
+    assert {t["protocol"] for t in turns} == {"messages", "responses"}
+    assert sum(t["kind"] == "subagent" for t in turns) == 6
+    later = [t for t in turns if t["turn"] > 0 or t["kind"] == "subagent"]
+    assert all(t["restored_tokens"] > 0 and t["ttft_s"] > 0 for t in later)
