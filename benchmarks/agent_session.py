@@ -219,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     name = runner.result_name("agent_session", args)
     meta = results.metadata(model, system_tokens=args.system_tokens, turns=args.turns)
     paths = results.write_results(
-        name, summary(turns), meta, raw=[asdict(t) for t in turns], allow_dirty=args.allow_dirty
+        name,
+        summary(turns),
+        meta,
+        raw=[asdict(t) for t in turns],
+        allow_dirty=args.allow_dirty,
+        out_dir=args.out,
     )
     if args.plot:
         plot(turns, args.out / f"{name}.png")
