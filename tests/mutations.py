@@ -41,6 +41,7 @@ SCHEDULER = "minivllm/engine/scheduler.py"
 KV_MANAGER = "minivllm/cache/kv_manager.py"
 KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
+RUNNER = "minivllm/engine/model_runner.py"
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -71,7 +72,7 @@ MUTATIONS = [
         "sampler-key-without-position",
         "the sampler's per-request key no longer depends on the token position",
         "minivllm/engine/sampler.py",
-        "mx.random.key((s.seed * 1_000_003 + len(s.token_ids) + ahead) % (1 << 63))",
+        "mx.random.key((s.seed * 1_000_003 + position) % (1 << 63))",
         "mx.random.key(s.seed % (1 << 63))",
         ("tests/test_engine.py",),
     ),
@@ -340,16 +341,16 @@ MUTATIONS = [
         "last-layer-query-at-chunk-start",
         "the last layer's sampled row attends from its chunk's first position, not its last",
         KERNEL,
-        "start=self.seqs[i].start + self.seqs[i].num_new - 1, num_new=1",
-        "start=self.seqs[i].start, num_new=1",
+        "start=self.seqs[i].start + self.seqs[i].num_new - c, num_new=c",
+        "start=self.seqs[i].start, num_new=c",
         ("tests/test_engine.py",),
     ),
     Mutation(
         "last-layer-wrong-rows",
         "the last layer goes on with each sequence's first new token instead of its last",
         KERNEL,
-        "ends = np.cumsum([s.num_new for s in self.seqs]) - 1",
-        "ends = np.cumsum([0] + [s.num_new for s in self.seqs])[:-1]",
+        "ends = np.cumsum([s.num_new for s in self.seqs])",
+        "ends = np.cumsum([0] + [s.num_new for s in self.seqs])[:-1] + 1",
         ("tests/test_engine.py",),
     ),
     Mutation(
@@ -437,9 +438,9 @@ MUTATIONS = [
     Mutation(
         "ahead-draw-ignores-position",
         "a step built ahead draws with the key of the previous output position",
-        "minivllm/engine/sampler.py",
-        "len(s.token_ids) + ahead) % (1 << 63)",
-        "len(s.token_ids)) % (1 << 63)",
+        RUNNER,
+        "positions = [len(s.token_ids) + ahead for s in chosen]",
+        "positions = [len(s.token_ids) for s in chosen]",
         ("tests/test_overlap.py",),
     ),
     Mutation(
@@ -494,7 +495,7 @@ MUTATIONS = [
     Mutation(
         "ahead-at-the-old-position",
         "a step built ahead runs its token at the previous step's position",
-        "minivllm/engine/model_runner.py",
+        RUNNER,
         "computed, ahead = [len(s.token_ids) for s in seqs], 1",
         "computed, ahead = [len(s.token_ids) - 1 for s in seqs], 1",
         ("tests/test_overlap.py",),

@@ -121,7 +121,8 @@ class ModelRunner:
         if constrained:
             matchers = [chosen[row].matcher for row in constrained]
             bitmasks = token_bitmasks(matchers, logits.shape[-1], self.mask_counters)
-        step.tokens = sample(logits, chosen, bitmasks, constrained, ahead)
+        positions = [len(s.token_ids) + ahead for s in chosen]  # what each row draws: the next token
+        step.tokens = sample(logits, chosen, bitmasks, constrained, positions)
         step.want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
         step.extra = self._logprob_graph(step.tokens, logits, step.want, chosen) if step.want else ()
         mx.async_eval(step.tokens, *step.extra, self.kv.keys, self.kv.values)  # the step's one evaluation
