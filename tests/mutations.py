@@ -42,6 +42,7 @@ KV_MANAGER = "minivllm/cache/kv_manager.py"
 KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
 RUNNER = "minivllm/engine/model_runner.py"
+SPECULATIVE_TESTS = ("tests/test_speculative.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -439,8 +440,8 @@ MUTATIONS = [
         "ahead-draw-ignores-position",
         "a step built ahead draws with the key of the previous output position",
         RUNNER,
-        "positions = [len(s.token_ids) + ahead for s in chosen]",
-        "positions = [len(s.token_ids) for s in chosen]",
+        "len(seqs[i].token_ids) + ahead + j",
+        "len(seqs[i].token_ids) + j",
         ("tests/test_overlap.py",),
     ),
     Mutation(
@@ -499,6 +500,55 @@ MUTATIONS = [
         "computed, ahead = [len(s.token_ids) for s in seqs], 1",
         "computed, ahead = [len(s.token_ids) - 1 for s in seqs], 1",
         ("tests/test_overlap.py",),
+    ),
+    # -- speculative decoding ------------------------------------------------------------------------------
+    Mutation(
+        "spec-accepts-every-draft",
+        "a verification accepts every drafted token, whatever the target draws",
+        "minivllm/engine/ngram_draft.py",
+        "while n < len(draft) and sampled[n] == draft[n]:",
+        "while n < len(draft):",
+        ("tests/test_speculative.py", "-k", "target_distribution"),  # the chi-square test alone
+    ),
+    Mutation(
+        "spec-rejected-kv-counts-as-computed",
+        "the KV of rejected drafted tokens counts as computed (and may be published)",
+        SCHEDULER,
+        "seq.num_computed_tokens += n - rejected",
+        "seq.num_computed_tokens += n",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-keeps-rejected-pages",
+        "the pages only rejected drafted tokens were written to are kept",
+        SCHEDULER,
+        "        if not seq.is_finished:\n            self.kv.truncate(seq, len(seq.token_ids))\n",
+        "",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-tokens-after-the-end",
+        "accepted tokens after a stop token are appended too",
+        SCHEDULER,
+        "break  # tokens after an EOS, a stop token or the length limit are dropped",
+        "continue",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-rows-share-a-draw",
+        "every row of a verification draws with the key of its first position",
+        RUNNER,
+        "len(seqs[i].token_ids) + ahead + j",
+        "len(seqs[i].token_ids) + ahead",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-draft-evicts-or-overflows",
+        "a draft is not bounded by the free pages",
+        SCHEDULER,
+        "min(share, self.kv.free_room(seq) - len(seq.token_ids))",
+        "share",
+        SPECULATIVE_TESTS,
     ),
 ]
 
