@@ -235,3 +235,22 @@ def test_fairness_measures_shorts_and_the_stream_during_a_long_prefill(tmp_path)
     row = fairness.row("minivllm", "HEAD", m, args.prompt_tokens)
     assert row["short requests"] >= 1 and row["short TTFT p99 ms"] < 60_000
     assert m["steps"] > 0 and m["gaps"] and 0 < row["stream tokens per step"] <= 1
+
+
+def test_speculative_quick_measures_both_workloads_at_both_batch_sizes(tiny_model_dir, tmp_path):
+    from benchmarks import speculative
+
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"]
+    speculative.main(args)
+    (path,) = tmp_path.glob("speculative-quick*.json")
+    data = json.loads(path.read_text())
+    assert [(r["workload"], r["batch"]) for r in data["rows"]] == [
+        ("edit", 1),
+        ("edit", 4),
+        ("free", 1),
+        ("free", 4),
+    ]
+    assert all(r["same tokens"] == "yes" for r in data["rows"])  # greedy: speculation changes no token
+    rates = [v for by_batch in data["raw"].values() for cells in by_batch.values()
+             for name, cell in cells.items() if name != "same" for v in cell["rate"]]  # fmt: skip
+    assert len(rates) == 12 and all(v > 0 for v in rates)
