@@ -53,16 +53,22 @@ class AttentionLayout:
     positions: mx.array  # [T] position of each flat token in its sequence (its rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
 
-    def last_tokens(self, seq_indices: list[int]) -> "QueryRows | None":
-        """The last new token of each given sequence, as rows of the flat batch and their own layout
-        (the same contexts, one query each); None when that is every token already."""
-        if len(seq_indices) == len(self.seqs) and all(s.num_new == 1 for s in self.seqs):
+    def last_tokens(self, seq_indices: list[int], counts: list[int] | None = None) -> "QueryRows | None":
+        """The last counts[j] new tokens (one by default) of each given sequence seq_indices[j], as rows of
+        the flat batch and their own layout (the same contexts, those queries only); None when that is
+        every token already. Several rows of one sequence: a speculative step's verified positions."""
+        counts = counts or [1] * len(seq_indices)
+        if len(seq_indices) == len(self.seqs) and all(s.num_new == c for s, c in zip(self.seqs, counts)):
             return None
-        ends = np.cumsum([s.num_new for s in self.seqs]) - 1
-        rows = mx.array(ends[seq_indices].astype(np.int32))
+        ends = np.cumsum([s.num_new for s in self.seqs])
+        if all(c == 1 for c in counts):  # the common case: one row per sequence
+            rows_np = ends[seq_indices] - 1
+        else:
+            rows_np = np.concatenate([np.arange(ends[i] - c, ends[i]) for i, c in zip(seq_indices, counts)])
+        rows = mx.array(rows_np.astype(np.int32))
         seqs = [
-            replace(self.seqs[i], start=self.seqs[i].start + self.seqs[i].num_new - 1, num_new=1)
-            for i in seq_indices
+            replace(self.seqs[i], start=self.seqs[i].start + self.seqs[i].num_new - c, num_new=c)
+            for i, c in zip(seq_indices, counts)
         ]
         layout = AttentionLayout(seqs, self.page_size, self.positions[rows], self.slot_mapping[rows])
         return QueryRows(rows, layout)

@@ -6,6 +6,7 @@ EVICTION_POLICIES = ("adaptive", "s3fifo", "lru", "fifo")  # minivllm.cache.evic
 DEFAULT_EVICTION = "adaptive"
 PUBLICATION_MODES = ("incremental", "completion")
 SINGLE_FLIGHT_MODES = ("off", "at_completion", "after_prefill")
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 @dataclass
@@ -25,6 +26,10 @@ class EngineConfig:
     # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend
     # only (on a CPU the host's share of a step is small, and a request arriving meanwhile waits one step more)
     overlap: bool | None = None
+    # speculative decoding: "ngram" drafts tokens by prompt lookup (minivllm.engine.ngram_draft) and
+    # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
+    speculative: str = "off"
+    speculative_tokens: int = 8
 
     def __post_init__(self) -> None:
         self.validate()
@@ -44,6 +49,8 @@ class EngineConfig:
         _check(
             self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}"
         )
+        _check(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {SPECULATIVE_MODES}")
+        _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
         _check(
             self.enable_prefix_caching or self.single_flight == "off",
             "single_flight needs the prefix cache (followers restore the leader's pages); set it to 'off'",

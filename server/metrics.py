@@ -47,6 +47,12 @@ _COUNTERS = (
         "Engine steps built and queued while the previous step still ran (overlap)",
         "steps_ahead",
     ),
+    (
+        "minivllm_spec_draft_tokens",
+        "Tokens drafted by speculative decoding and verified",
+        "spec_draft_tokens",
+    ),
+    ("minivllm_spec_accepted_tokens", "Drafted tokens accepted", "spec_accepted_tokens"),
     ("minivllm_grammar_masks", "Token masks computed for structured output", "grammar_masks"),
     (
         "minivllm_grammar_mask_seconds",

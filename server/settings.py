@@ -9,7 +9,13 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass
 
-from minivllm.config import EVICTION_POLICIES, PUBLICATION_MODES, SINGLE_FLIGHT_MODES, EngineConfig
+from minivllm.config import (
+    EVICTION_POLICIES,
+    PUBLICATION_MODES,
+    SINGLE_FLIGHT_MODES,
+    SPECULATIVE_MODES,
+    EngineConfig,
+)
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -174,6 +180,20 @@ OPTIONS: tuple[Option, ...] = (
         bool | None,
         _parse_bool,
         "build and queue the next decode step while the current one runs (default: on a GPU backend only)",
+    ),
+    _engine(
+        "speculative",
+        "MINIVLLM_SPECULATIVE",
+        str,
+        _choice(SPECULATIVE_MODES),
+        "speculative decoding: ngram drafts tokens by prompt lookup and verifies them in the step",
+    ),
+    _engine(
+        "speculative_tokens",
+        "MINIVLLM_SPECULATIVE_TOKENS",
+        int,
+        _parse_int,
+        "the most tokens drafted in one step (all requests together)",
     ),
     Option(
         "max_request_bytes",

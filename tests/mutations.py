@@ -41,6 +41,8 @@ SCHEDULER = "minivllm/engine/scheduler.py"
 KV_MANAGER = "minivllm/cache/kv_manager.py"
 KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
+RUNNER = "minivllm/engine/model_runner.py"
+SPECULATIVE_TESTS = ("tests/test_speculative.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -71,7 +73,7 @@ MUTATIONS = [
         "sampler-key-without-position",
         "the sampler's per-request key no longer depends on the token position",
         "minivllm/engine/sampler.py",
-        "mx.random.key((s.seed * 1_000_003 + len(s.token_ids) + ahead) % (1 << 63))",
+        "mx.random.key((s.seed * 1_000_003 + position) % (1 << 63))",
         "mx.random.key(s.seed % (1 << 63))",
         ("tests/test_engine.py",),
     ),
@@ -413,16 +415,16 @@ MUTATIONS = [
         "last-layer-query-at-chunk-start",
         "the last layer's sampled row attends from its chunk's first position, not its last",
         KERNEL,
-        "start=self.seqs[i].start + self.seqs[i].num_new - 1, num_new=1",
-        "start=self.seqs[i].start, num_new=1",
+        "start=self.seqs[i].start + self.seqs[i].num_new - c, num_new=c",
+        "start=self.seqs[i].start, num_new=c",
         ("tests/test_engine.py",),
     ),
     Mutation(
         "last-layer-wrong-rows",
         "the last layer goes on with each sequence's first new token instead of its last",
         KERNEL,
-        "ends = np.cumsum([s.num_new for s in self.seqs]) - 1",
-        "ends = np.cumsum([0] + [s.num_new for s in self.seqs])[:-1]",
+        "ends = np.cumsum([s.num_new for s in self.seqs])",
+        "ends = np.cumsum([0] + [s.num_new for s in self.seqs])[:-1] + 1",
         ("tests/test_engine.py",),
     ),
     Mutation(
@@ -510,9 +512,9 @@ MUTATIONS = [
     Mutation(
         "ahead-draw-ignores-position",
         "a step built ahead draws with the key of the previous output position",
-        "minivllm/engine/sampler.py",
-        "len(s.token_ids) + ahead) % (1 << 63)",
-        "len(s.token_ids)) % (1 << 63)",
+        RUNNER,
+        "len(seqs[i].token_ids) + ahead + j",
+        "len(seqs[i].token_ids) + j",
         ("tests/test_overlap.py",),
     ),
     Mutation(
@@ -567,10 +569,59 @@ MUTATIONS = [
     Mutation(
         "ahead-at-the-old-position",
         "a step built ahead runs its token at the previous step's position",
-        "minivllm/engine/model_runner.py",
+        RUNNER,
         "computed, ahead = [len(s.token_ids) for s in seqs], 1",
         "computed, ahead = [len(s.token_ids) - 1 for s in seqs], 1",
         ("tests/test_overlap.py",),
+    ),
+    # -- speculative decoding ------------------------------------------------------------------------------
+    Mutation(
+        "spec-accepts-every-draft",
+        "a verification accepts every drafted token, whatever the target draws",
+        "minivllm/engine/ngram_draft.py",
+        "while n < len(draft) and sampled[n] == draft[n]:",
+        "while n < len(draft):",
+        ("tests/test_speculative.py", "-k", "target_distribution"),  # the chi-square test alone
+    ),
+    Mutation(
+        "spec-rejected-kv-counts-as-computed",
+        "the KV of rejected drafted tokens counts as computed (and may be published)",
+        SCHEDULER,
+        "seq.num_computed_tokens += n - rejected",
+        "seq.num_computed_tokens += n",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-keeps-rejected-pages",
+        "the pages only rejected drafted tokens were written to are kept",
+        SCHEDULER,
+        "        if not seq.is_finished:\n            self.kv.truncate(seq, len(seq.token_ids))\n",
+        "",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-tokens-after-the-end",
+        "accepted tokens after a stop token are appended too",
+        SCHEDULER,
+        "break  # tokens after an EOS, a stop token or the length limit are dropped",
+        "continue",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-rows-share-a-draw",
+        "every row of a verification draws with the key of its first position",
+        RUNNER,
+        "len(seqs[i].token_ids) + ahead + j",
+        "len(seqs[i].token_ids) + ahead",
+        SPECULATIVE_TESTS,
+    ),
+    Mutation(
+        "spec-draft-evicts-or-overflows",
+        "a draft is not bounded by the free pages",
+        SCHEDULER,
+        "min(share, self.kv.free_room(seq) - len(seq.token_ids))",
+        "share",
+        SPECULATIVE_TESTS,
     ),
 ]
 

@@ -252,3 +252,22 @@ def test_agent_session_quick_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert sum(t["kind"] == "subagent" for t in turns) == 6
     later = [t for t in turns if t["turn"] > 0 or t["kind"] == "subagent"]
     assert all(t["restored_tokens"] > 0 and t["ttft_s"] > 0 for t in later)
+
+
+def test_speculative_quick_measures_both_workloads_at_both_batch_sizes(tiny_model_dir, tmp_path):
+    from benchmarks import speculative
+
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"]
+    speculative.main(args)
+    (path,) = tmp_path.glob("speculative-quick*.json")
+    data = json.loads(path.read_text())
+    assert [(r["workload"], r["batch"]) for r in data["rows"]] == [
+        ("edit", 1),
+        ("edit", 4),
+        ("free", 1),
+        ("free", 4),
+    ]
+    assert all(r["same tokens"] == "yes" for r in data["rows"])  # greedy: speculation changes no token
+    rates = [v for by_batch in data["raw"].values() for cells in by_batch.values()
+             for name, cell in cells.items() if name != "same" for v in cell["rate"]]  # fmt: skip
+    assert len(rates) == 12 and all(v > 0 for v in rates)

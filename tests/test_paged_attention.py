@@ -94,6 +94,27 @@ def test_layout_positions_slots_and_the_gather_threshold():
     assert len(many.seqs[0].runs) == pa.MAX_RUNS + 1 and many.seqs[0].pages is not None
 
 
+def test_the_last_rows_of_each_sequence_attend_as_in_the_whole_batch():
+    """last_tokens: the sampled rows alone (the last layer of forward), one per sequence or several (a
+    verification's drafted positions), give the same attention as those rows of the whole step."""
+    tables, starts, num_new = (
+        [contiguous(10, 80), contiguous(100, 10), contiguous(200, 10)],
+        [40, 7, 0],
+        [9, 1, 30],
+    )
+    out, _, layout = run(tables, starts, num_new)
+    rng = np.random.default_rng(0)  # the pools and queries `run` made
+    k_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
+    v_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
+    queries = mx.array(rng.standard_normal((sum(num_new), HEADS, HEAD_DIM)).astype(np.float32))
+    assert layout.last_tokens([0, 1, 2], [9, 1, 30]) is None  # every row already
+    for seq_indices, counts, rows in [([0, 2], None, [8, 39]), ([0, 2], [9, 2], list(range(9)) + [38, 39])]:
+        picked = layout.last_tokens(seq_indices, counts)
+        assert picked.rows.tolist() == rows
+        part = pa.paged_attention(queries[picked.rows], k_pool, v_pool, picked.layout, HEAD_DIM**-0.5)
+        np.testing.assert_allclose(np.asarray(part), out[rows], atol=1e-5, rtol=1e-5)
+
+
 def test_kv_write_lands_in_the_slots():
     pool = mx.zeros((KV_HEADS, 16, HEAD_DIM))
     values = mx.arange(3 * KV_HEADS * HEAD_DIM, dtype=mx.float32).reshape(3, KV_HEADS, HEAD_DIM)

@@ -21,14 +21,14 @@ TOKEN = 7  # what the fake runner samples (never EOS)
 
 @dataclass
 class FakeOutput:
-    token: int | None
+    tokens: list[int]
     logprob: None = None
 
 
 def fake_run(step: ScheduledStep) -> list[FakeOutput]:
     """One output per request: a token when its chunk reaches its last known token, else none."""
     return [
-        FakeOutput(TOKEN if seq.num_computed_tokens + n == len(seq.token_ids) else None)
+        FakeOutput([TOKEN] if seq.num_computed_tokens + n == len(seq.token_ids) else [])
         for seq, n in zip(step.seqs, step.num_tokens)
     ]
 

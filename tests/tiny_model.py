@@ -65,9 +65,11 @@ def make_tiny_model(
     tie_embeddings: bool = False,
     max_position_embeddings: int = 2048,
     fim: bool = False,
+    weight_scale: float = 4.0,
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model. fim: with
-    Qwen2.5-Coder's fill-in-the-middle tokens among the special tokens."""
+    Qwen2.5-Coder's fill-in-the-middle tokens among the special tokens. weight_scale: see
+    save_random_weights (1.0, the default init's: a model whose greedy outputs repeat themselves)."""
     path = Path(path)
     specials = SPECIAL_TOKENS + FIM_TOKENS if fim else SPECIAL_TOKENS
     tok = write_tokenizer(path, build_tokenizer(special_tokens=specials), model_max_length=2048)
@@ -91,7 +93,7 @@ def make_tiny_model(
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     mx.random.seed(seed)
-    save_random_weights(qwen2.Model(qwen2.ModelArgs.from_dict(config)), path)
+    save_random_weights(qwen2.Model(qwen2.ModelArgs.from_dict(config)), path, weight_scale)
     return path
 
 
@@ -208,9 +210,10 @@ def write_tokenizer(path: Path, tok: Tokenizer, model_max_length: int) -> Tokeni
     return tok
 
 
-def save_random_weights(model, path: Path) -> None:
-    # Wider random weights than the default init, so greedy outputs vary from token to token.
-    params = {k: v * 4.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+def save_random_weights(model, path: Path, scale: float = 4.0) -> None:
+    # Wider random weights than the default init, so greedy outputs vary from token to token (with the
+    # default init's, scale 1, they fall into loops: what prompt-lookup drafts predict).
+    params = {k: v * scale if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), params)
 
 

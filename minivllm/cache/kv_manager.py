@@ -53,6 +53,10 @@ class KVManager:
         """Pages an allocation can get now: free ones plus cached ones it may evict."""
         return self.pool.num_available()
 
+    def free_room(self, seq: "Sequence") -> int:
+        """Tokens seq can hold in its pages and the free ones, evicting no cached page (a draft's room)."""
+        return (len(seq.page_table) + self.pool.num_free) * self.page_size
+
     def state(self) -> PoolState:
         p = self.pool
         return PoolState(p.num_pages, p.num_free, p.num_in_use, p.num_cached)
@@ -94,6 +98,20 @@ class KVManager:
         if need > 0:
             after = seq.page_table[-1] if seq.page_table else None
             seq.page_table.extend(self.pool.allocate(need, after=after))
+
+    def truncate(self, seq: "Sequence", num_tokens: int) -> None:
+        """Give back seq's pages past those holding num_tokens tokens: after a verification, the pages
+        only rejected drafted tokens were written to. They were allocated for this request alone and
+        never published (publication stops at the accepted, computed tokens): they go back free."""
+        keep = self.pages_for(num_tokens)
+        tail = seq.page_table[keep:]
+        for page in tail:
+            assert self.pool.refcount[page] == 1 and self.pool.page_hash[page] is None, (
+                f"page {page} past the accepted tokens of {seq.request_id} is shared or published"
+            )
+        self.pool.release(tail)
+        del seq.page_table[keep:]
+        seq.publish_cursor = min(seq.publish_cursor, keep)
 
     def publish(self, seq: "Sequence") -> None:
         """Publish every full page whose KV is computed (and evaluated: the engine calls this after the

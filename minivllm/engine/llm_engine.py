@@ -72,7 +72,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps launched before the previous one was read back
         logger.info(
-            "KV pool: %d pages of %d tokens (%.1f MiB, %s); prefix cache %s, eviction %s, publication %s, single flight %s",
+            "KV pool: %d pages of %d tokens (%.1f MiB, %s); prefix cache %s, eviction %s, publication %s, "
+            "single flight %s, speculative %s",
             num_pages,
             config.page_size,
             num_pages * config.page_size * geometry.bytes_per_token / 2**20,
@@ -81,6 +82,7 @@ class LLMEngine:
             config.eviction,
             config.publication,
             config.single_flight,
+            config.speculative,
         )
 
     def _num_pages(self, geometry: KVGeometry) -> int:
@@ -182,11 +184,12 @@ class LLMEngine:
             # a request that ended while its step was in flight (aborted, or by its previous token) drops it
             kept = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]
             seqs, outs = [step.seqs[i] for i in kept], [step_outputs[i] for i in kept]
+            before = [(len(seq.token_ids), len(seq.logprobs)) for seq in seqs]
             self.scheduler.postprocess(ScheduledStep(seqs, [step.num_tokens[i] for i in kept]), outs)
-            for seq, out in zip(seqs, outs):
-                if out.token is not None:
-                    logprobs = [out.logprob] if out.logprob else []
-                    outputs[seq.request_id] = self._output(seq, [out.token], logprobs)
+            for seq, (length, num_logprobs) in zip(seqs, before):
+                if len(seq.token_ids) > length:  # one new token, or several from a verified draft
+                    tokens, logprobs = seq.token_ids[length:], seq.logprobs[num_logprobs:]
+                    outputs[seq.request_id] = self._output(seq, tokens, logprobs)
             return self._collect(outputs)
         except Exception as e:
             failed = self.scheduler.step_seqs or list(self.requests.values())
@@ -267,6 +270,8 @@ class LLMEngine:
             "pages_restored": p.pages_restored,
             "steps": self.num_steps,
             "steps_ahead": self.num_steps_ahead,
+            "spec_draft_tokens": self.scheduler.spec_counters.draft_tokens,
+            "spec_accepted_tokens": self.scheduler.spec_counters.accepted_tokens,
             "grammar_masks": self.mask_counters.masks,
             "grammar_mask_seconds": self.mask_counters.seconds,
         }

@@ -43,16 +43,19 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     num_tokens: list[int]
-    sampling: list[int]  # the rows of seqs that sample a token this step
-    tokens: mx.array | None = None  # [len(sampling)], lazy until collected; None: nobody samples
+    sampling: list[int]  # the indices of seqs that sample this step
+    num_rows: list[int] = field(default_factory=list)  # tokens each of those samples: 1 + its draft
+    tokens: mx.array | None = None  # [sum(num_rows)], lazy until collected; None: nobody samples
     extra: tuple = ()  # the log-probability arrays of the rows in `want`
     want: list[int] = field(default_factory=list)
 
 
 @dataclass
 class StepOutput:
-    token: int | None  # None while the sequence is still in a prefill chunk
-    logprob: TokenLogprob | None = None
+    # the tokens sampled for the sequence: none while it is still in a prefill chunk, one after its last
+    # token, or one per drafted position plus the bonus one when it verified a draft
+    tokens: list[int] = field(default_factory=list)
+    logprob: TokenLogprob | None = None  # of the one token (requests with logprobs do not draft)
 
 
 class ModelRunner:
@@ -88,30 +91,39 @@ class ModelRunner:
 
         after: the step still running before this one. Every seq is then one decode token past it: its
         input is the token `after` samples for it, taken on the device (not read back), at the position
-        after its last known token. So the host builds step n+1 while the device runs step n, as mlx-lm does."""
+        after its last known token. So the host builds step n+1 while the device runs step n, as mlx-lm does.
+
+        A seq with draft_token_ids verifies them: its inputs are its last token and the draft, and every
+        one of them samples (the draw of each drafted position, then the bonus)."""
         if after is None:
             input_ids = []
             for seq, n in zip(seqs, num_tokens):
                 input_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+                input_ids.extend(seq.draft_token_ids)  # n counts them: the last token is the one before
             inputs, computed, ahead = mx.array(input_ids), [s.num_computed_tokens for s in seqs], 0
         else:
+            # a verification's tokens are known only once accepted on the host: it is never run ahead of
+            assert all(r == 1 for r in after.num_rows), "a step built after a draft's verification"
             row_of = {id(after.seqs[i]): row for row, i in enumerate(after.sampling)}
             inputs = after.tokens[mx.array([row_of[id(s)] for s in seqs])]
             # `after` computes every token each seq has (Scheduler.schedule_ahead): the new one goes next
             computed, ahead = [len(s.token_ids) for s in seqs], 1
         layout = build_layout([s.page_table for s in seqs], computed, num_tokens, self.page_size)
-        # only sequences whose chunk reaches their last token produce a new token this step
+        # only sequences whose chunk reaches their last token (and draft) produce new tokens this step
         sampling = [
             i
             for i, (s, c, n) in enumerate(zip(seqs, computed, num_tokens))
-            if c + n == len(s.token_ids) + ahead
+            if c + n == len(s.token_ids) + len(s.draft_token_ids) + ahead
         ]
-        step = LaunchedStep(seqs, num_tokens, sampling)
-        logits = forward(self.model, inputs, self.kv, layout, sampling)
+        num_rows = [1 + len(seqs[i].draft_token_ids) for i in sampling]
+        step = LaunchedStep(seqs, num_tokens, sampling, num_rows)
+        logits = forward(self.model, inputs, self.kv, layout, sampling, num_rows)
         if logits is None:
             mx.async_eval(self.kv.keys, self.kv.values)
             return step
-        chosen = [seqs[i] for i in sampling]
+        # one entry per sampled row; row j of a seq draws the token after its tokens and draft[:j]
+        chosen = [seqs[i] for i, r in zip(sampling, num_rows) for _ in range(r)]
+        positions = [len(seqs[i].token_ids) + ahead + j for i, r in zip(sampling, num_rows) for j in range(r)]
         # grammar masks depend only on tokens already accepted: computed on the host while the graph
         # is still lazy, so the step keeps its single evaluation (on a GPU; on the CPU a prefill's
         # large element-wise work has already evaluated parts of it, kernels.activations)
@@ -121,7 +133,7 @@ class ModelRunner:
         if constrained:
             matchers = [chosen[row].matcher for row in constrained]
             bitmasks = token_bitmasks(matchers, logits.shape[-1], self.mask_counters)
-        step.tokens = sample(logits, chosen, bitmasks, constrained, ahead)
+        step.tokens = sample(logits, chosen, bitmasks, constrained, positions)
         step.want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
         step.extra = self._logprob_graph(step.tokens, logits, step.want, chosen) if step.want else ()
         mx.async_eval(step.tokens, *step.extra, self.kv.keys, self.kv.values)  # the step's one evaluation
@@ -129,15 +141,17 @@ class ModelRunner:
 
     def collect(self, step: "LaunchedStep") -> list[StepOutput]:
         """Wait for a launched step; its new tokens (and log-probabilities), one output per seq."""
-        outputs = [StepOutput(None) for _ in step.seqs]
+        outputs = [StepOutput() for _ in step.seqs]
         if step.tokens is None:
             mx.eval(self.kv.keys, self.kv.values)
             return outputs
         token_list = step.tokens.tolist()
-        chosen = [step.seqs[i] for i in step.sampling]
+        chosen = [step.seqs[i] for i, r in zip(step.sampling, step.num_rows) for _ in range(r)]
         details = self._logprob_values(step.extra, token_list, step.want, chosen)
-        for row, i in enumerate(step.sampling):
-            outputs[i] = StepOutput(token_list[row], details[row])
+        row = 0
+        for i, r in zip(step.sampling, step.num_rows):
+            outputs[i] = StepOutput(token_list[row : row + r], details[row + r - 1])
+            row += r
         return outputs
 
     @staticmethod

@@ -21,11 +21,12 @@ def sample(
     seqs: list[Sequence],
     bitmasks: np.ndarray | None = None,
     masked_rows=(),
-    ahead: int = 0,
+    positions: list[int] | None = None,
 ) -> mx.array:
-    """logits [B, V] -> tokens [B], for seqs[i] at row i. bitmasks[j]: the tokens row masked_rows[j] may
-    take, one bit each (llguidance's layout). ahead: tokens each seq has beyond its token_ids (sampled in
-    a step not yet read back), so that its draw is the one of its output position."""
+    """logits [B, V] -> tokens [B], for seqs[i] at row i (a seq has several rows when a step verifies its
+    draft). bitmasks[j]: the tokens row masked_rows[j] may take, one bit each (llguidance's layout).
+    positions[i]: how many tokens come before the one row i draws (default len(token_ids): the next one;
+    more for a step built ahead or a drafted position), so that each draw is the one of its position."""
     logits = logits.astype(mx.float32)  # a new array: the updates below leave the caller's logits alone
     logits = apply_logit_bias(logits, seqs)
     logits = apply_penalties(logits, seqs)
@@ -35,8 +36,9 @@ def sample(
     greedy = mx.argmax(logits, axis=-1)
     if all(s.params.greedy for s in seqs):
         return greedy
+    positions = positions or [len(s.token_ids) for s in seqs]
     rows = []
-    for i, s in enumerate(seqs):
+    for i, (s, position) in enumerate(zip(seqs, positions)):
         p = s.params
         if p.greedy:
             rows.append(greedy[i])
@@ -48,7 +50,7 @@ def sample(
             row = apply_top_p(log_softmax(row), p.top_p)
         if p.min_p > 0:
             row = apply_min_p(row, p.min_p)
-        key = mx.random.key((s.seed * 1_000_003 + len(s.token_ids) + ahead) % (1 << 63))
+        key = mx.random.key((s.seed * 1_000_003 + position) % (1 << 63))
         rows.append(mx.random.categorical(row, key=key)[0])
     return mx.stack(rows).astype(greedy.dtype)
 

@@ -5,6 +5,9 @@ requests get one decode token or their next prefill chunk under the step's token
 run out mid-decode the newest running request is preempted (its pages released, requeued at the front
 to be restored or recomputed, not in the same step); a request that could never fit the pool is stopped
 instead of preempting others. After each evaluated step, completed pages are published to the prefix cache.
+With speculation on, a few decoding requests also verify drafted tokens in the step (minivllm.engine.
+ngram_draft): the drafts count in the step's budget, take only free pages, and what is rejected is
+given back before anything is published.
 """
 
 import logging
@@ -14,10 +17,17 @@ from dataclasses import dataclass
 from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import MaskCounters, advance
+from minivllm.engine.ngram_draft import accepted_tokens, propose
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.single_flight import FlightCoordinator
 
 logger = logging.getLogger(__name__)
+
+# No drafts when more than this many requests decode in a step: a step's cost grows with its tokens once
+# they are a handful (the 0.5B default model on 2 CPU cores: a 5-token step costs ~2x a 1-token one, a
+# 9-token one ~2.4x; docs/speculative.md), so a larger batch is compute-bound already and a rejected
+# draft costs nearly its full compute.
+SPEC_MAX_DECODES = 4
 
 
 @dataclass
@@ -29,6 +39,12 @@ class CacheCounters:
     computed_prompt_tokens: int = 0  # prompt tokens run through the model
     preemptions: int = 0
     prefix_waiters: int = 0  # requests that waited for pages another request's prefill was computing
+
+
+@dataclass
+class SpecCounters:
+    draft_tokens: int = 0  # tokens drafted and verified
+    accepted_tokens: int = 0  # drafted tokens accepted (and kept: none after an EOS)
 
 
 @dataclass
@@ -71,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
         self.counters = CacheCounters()
+        self.spec_counters = SpecCounters()
         self.finished: list[Sequence] = []  # ended since the engine last collected them
         self.step_seqs: list[Sequence] = []
         self.mask_counters = mask_counters
@@ -108,6 +125,8 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(1)
             budget -= 1
+        if self.config.speculative != "off":
+            budget -= self._draft(seqs, num_tokens, budget)
         prefills = [
             s for s in self.running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens > 1
         ]
@@ -122,6 +141,40 @@ class Scheduler:
                 num_tokens.append(n)
         self.step_seqs = list(dict.fromkeys(self.step_seqs + seqs))
         return ScheduledStep(seqs, num_tokens)
+
+    def _draft(self, seqs: list[Sequence], num_tokens: list[int], budget: int) -> int:
+        """Draft tokens for the step's decodes (seqs, one token each so far): the step's drafts share the
+        speculative_tokens limit (and what is left of the budget) max-min fairly by how many each
+        request would draft, and take only free pages (a draft never evicts nor preempts). Returns the
+        tokens drafted."""
+        if len(seqs) > SPEC_MAX_DECODES:
+            return 0
+        wants = [self._draft_room(seq) for seq in seqs]
+        drafted = 0
+        for i, share in enumerate(fair_shares(wants, min(budget, self.config.speculative_tokens))):
+            if share == 0:
+                continue
+            seq = seqs[i]
+            draft = propose(seq.token_ids, min(share, self.kv.free_room(seq) - len(seq.token_ids)))
+            if not draft:
+                seq.draft.back_off()
+                continue
+            self.kv.grow(seq, len(seq.token_ids) + len(draft))  # the draft's KV goes after the last token
+            seq.draft_token_ids = draft
+            num_tokens[i] += len(draft)
+            drafted += len(draft)
+        return drafted
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """The most seq may draft now: 0 while it backs off, or when it needs each token on the host before
+        the next is drawn (log-probabilities, penalties, a grammar: those decode without speculation);
+        else its adaptive limit, within max_tokens and the context (a verification appends the accepted
+        drafted tokens and one more)."""
+        p = seq.params
+        if seq.draft.pause or seq.matcher is not None or p.penalized or p.logprobs is not None:
+            return 0
+        left = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - len(seq.token_ids))
+        return max(0, min(seq.draft.limit, self.config.speculative_tokens, left - 1))
 
     def _admit_waiting(self, room: int) -> list[Sequence]:
         """Admit waiting requests in arrival order while each can get a token of the step (room) and a
@@ -180,6 +233,8 @@ class Scheduler:
         live = [(seq, n) for seq, n in zip(step.seqs, step.num_tokens) if not seq.is_finished]
         if self.waiting or len(live) != len(self.running):
             return none
+        if self._drafting() and any(self._draft_room(seq) for seq, _ in live):
+            return none  # its next step may verify a draft, which is made from the running step's token
         ahead = []
         for seq, n in live:
             if (
@@ -198,6 +253,9 @@ class Scheduler:
             self.kv.grow(seq, len(seq.token_ids) + 1)
         self.step_seqs.extend(ahead)
         return ScheduledStep(ahead, [1] * len(ahead))
+
+    def _drafting(self) -> bool:
+        return self.config.speculative != "off" and len(self.running) <= SPEC_MAX_DECODES
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
@@ -256,45 +314,68 @@ class Scheduler:
         if self.flights and self.flights.is_open_leader(seq):
             self.flights.hand_over(seq)
         self.kv.release(seq)
+        seq.draft_token_ids = []  # e.g. after a fault in its verification: readmitted, it recomputes
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     # -- after the step ---------------------------------------------------------------------------------
-    def postprocess(self, step: ScheduledStep, new_tokens: list) -> None:
-        """Record what the evaluated step computed; publish pages; finish requests that are done."""
+    def postprocess(self, step: ScheduledStep, outputs: list) -> None:
+        """Record what the evaluated step computed; accept or reject drafts; publish pages; append the new
+        tokens and finish requests that are done."""
         incremental = self.config.publication == "incremental"
-        for seq, n, out in zip(step.seqs, step.num_tokens, new_tokens):
+        for seq, n, out in zip(step.seqs, step.num_tokens, outputs):
             was_prefill = seq.in_prefill
             prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_prompt_tokens += prompt_part
             self.counters.computed_prompt_tokens += prompt_part
-            seq.num_computed_tokens += n
+            draft, seq.draft_token_ids = seq.draft_token_ids, []
+            tokens = accepted_tokens(draft, out.tokens) if draft else out.tokens
+            # a rejected drafted token's KV was computed from a token the sequence does not have: it does
+            # not count as computed, so it is never published, and the next tokens overwrite it
+            rejected = len(draft) + 1 - len(tokens) if draft else 0
+            seq.num_computed_tokens += n - rejected
             release = was_prefill and not seq.in_prefill and self.config.single_flight == "after_prefill"
             if incremental or release:  # on release: the followers' checkpoint, even under completion
                 self.kv.publish(seq)
             if release:
                 self.flights.release(seq)
-            if out.token is not None:
-                self._append_token(seq, out)
+            length = len(seq.token_ids)
+            for token in tokens:
+                self._append_token(seq, token, out.logprob)
+                if seq.is_finished:
+                    break  # tokens after an EOS, a stop token or the length limit are dropped
+            if draft:  # its accepted drafted tokens: those appended before the last one (or an end)
+                self._verified(seq, len(draft), min(len(tokens) - 1, len(seq.token_ids) - length))
+            elif tokens:
+                seq.draft.decoded_without_draft()
 
-    def _append_token(self, seq: Sequence, out) -> None:
-        seq.token_ids.append(out.token)
-        if out.logprob is not None:
-            seq.logprobs.append(out.logprob)
+    def _verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """After seq verified `drafted` tokens and kept `accepted`: the counters, its backoff, and the
+        pages only rejected drafted tokens were written to go back to the pool."""
+        seq.draft.record(drafted, accepted)
+        self.spec_counters.draft_tokens += drafted
+        self.spec_counters.accepted_tokens += accepted
+        if not seq.is_finished:
+            self.kv.truncate(seq, len(seq.token_ids))
+
+    def _append_token(self, seq: Sequence, token: int, logprob=None) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if seq.matcher is not None:
-            advance(seq.matcher, out.token, self.mask_counters)
+            advance(seq.matcher, token, self.mask_counters)
         p = seq.params
-        if (out.token in self.eos_token_ids and not p.ignore_eos) or out.token in p.stop_token_ids:
-            seq.stop_token_id = out.token
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.stop_token_id = token
             self.finish(seq, "stop")
         elif seq.matcher is not None and seq.matcher.is_error():
             seq.finish_detail = f"grammar error: {seq.matcher.get_error()}"
             logger.error("request %s: %s", seq.request_id, seq.finish_detail)
             self.finish(seq, "error")
         elif seq.matcher is not None and seq.matcher.is_stopped():
-            if out.token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos
-                seq.stop_token_id = out.token
+            if token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos
+                seq.stop_token_id = token
             self.finish(seq, "stop")  # the grammar is complete and allows nothing more
         elif self._reached_length_limit(seq, len(seq.token_ids)):
             self.finish(seq, "length")
@@ -309,6 +390,7 @@ class Scheduler:
             return  # e.g. an abort that arrives after the step that finished it
         if reason in ("stop", "length"):
             self.kv.publish(seq)
+        seq.draft.log(seq.request_id)
         self.kv.release(seq)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)

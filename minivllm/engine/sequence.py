@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minivllm.cache.page_hash import extend_page_hashes, root_hash
+from minivllm.engine.ngram_draft import DraftState
 from minivllm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class Sequence:
     waited_for_prefix: bool = False  # a prefix flight: it waited for pages another prefill computed
     seed: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # speculation: the tokens drafted after token_ids for the step being computed (its inputs after the
+    # last token; verified by it, never part of token_ids unless accepted), and the request's backoff
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft: DraftState = field(default_factory=DraftState)
     arrival_time: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

@@ -73,10 +73,16 @@ def decoder_layer(
 
 
 def forward(
-    model: nn.Module, input_ids: mx.array, kv: KVPools, layout: AttentionLayout, sampling: list[int]
+    model: nn.Module,
+    input_ids: mx.array,
+    kv: KVPools,
+    layout: AttentionLayout,
+    sampling: list[int],
+    num_rows: list[int] | None = None,
 ) -> mx.array | None:
-    """Logits [len(sampling), vocab] of the last new token of each sequence in `sampling` (indices into
-    layout.seqs); None when no sequence samples (the step only fills the pools)."""
+    """Logits of the last new token of each sequence in `sampling` (indices into layout.seqs), or of its
+    last num_rows[j] new tokens (a speculative step verifies several), in order: [sum of rows, vocab].
+    None when no sequence samples (the step only fills the pools)."""
     body = model.model
     h = body.embed_tokens(input_ids)
     *inner, last = body.layers
@@ -84,11 +90,11 @@ def forward(
         h = decoder_layer(block, h, kv, i, layout)
     # The last block's output feeds only the logits: every token's K/V still goes into the pool, but
     # its queries, attention and MLP are computed for the sampled rows alone (a prefill chunk's last
-    # token), which saves 1/num_layers of a prefill step.
+    # token, a verification's drafted positions), which saves 1/num_layers of a prefill step.
     if not sampling:
         write_layer_kv(last.self_attn, last.input_layernorm(h), kv, len(inner), layout)
         return None
-    h = body.norm(decoder_layer(last, h, kv, len(inner), layout, layout.last_tokens(sampling)))
+    h = body.norm(decoder_layer(last, h, kv, len(inner), layout, layout.last_tokens(sampling, num_rows)))
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head(h)
     return body.embed_tokens.as_linear(h)
