@@ -25,6 +25,9 @@ class EngineConfig:
     # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend
     # only (on a CPU the host's share of a step is small, and a request arriving meanwhile waits one step more)
     overlap: bool | None = None
+    # a second tier of the prefix cache on disk, persistent across restarts (minivllm.cache.disk_tier)
+    kv_disk_dir: str | None = None  # None: no disk tier
+    kv_disk_bytes: int | None = None  # None: 10% of the disk's free space, at most 20 GiB
 
     def __post_init__(self) -> None:
         self.validate()
@@ -43,6 +46,11 @@ class EngineConfig:
         _check(self.publication in PUBLICATION_MODES, f"publication must be one of {PUBLICATION_MODES}")
         _check(
             self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}"
+        )
+        _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")
+        _check(
+            self.kv_disk_dir is None or self.enable_prefix_caching,
+            "kv_disk_dir is a tier of the prefix cache: it needs the prefix cache on",
         )
         _check(
             self.enable_prefix_caching or self.single_flight == "off",
