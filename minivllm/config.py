@@ -30,6 +30,9 @@ class EngineConfig:
     # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
     speculative: str = "off"
     speculative_tokens: int = 8
+    # a second tier of the prefix cache on disk, persistent across restarts (minivllm.cache.disk_tier)
+    kv_disk_dir: str | None = None  # None: no disk tier
+    kv_disk_bytes: int | None = None  # None: 10% of the disk's free space, at most 20 GiB
 
     def __post_init__(self) -> None:
         self.validate()
@@ -51,6 +54,11 @@ class EngineConfig:
         )
         _check(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {SPECULATIVE_MODES}")
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
+        _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")
+        _check(
+            self.kv_disk_dir is None or self.enable_prefix_caching,
+            "kv_disk_dir is a tier of the prefix cache: it needs the prefix cache on",
+        )
         _check(
             self.enable_prefix_caching or self.single_flight == "off",
             "single_flight needs the prefix cache (followers restore the leader's pages); set it to 'off'",

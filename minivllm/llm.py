@@ -65,6 +65,10 @@ class LLM:
             raise GenerationError(failed, completions)
         return completions
 
+    def close(self) -> None:
+        """Write the disk tier's queued pages and release its directory (with kv_disk_dir set)."""
+        self.engine.close()
+
     def _completion(self, seq: Sequence) -> Completion:
         return Completion(
             request_id=seq.request_id,

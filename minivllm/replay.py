@@ -20,13 +20,21 @@ Each run also reports ``unreachable_blocks``: blocks still cached at the end
 whose prefix is not (a block whose parent, or its parent's parent, ... was
 evicted can never be hit again; a prefix-aware policy leaves none).
 
+Two tiers: ``--disk-capacity D`` adds a disk tier of D blocks under the RAM cache, as the engine's disk
+tier (minivllm.cache.disk_tier) runs it: a lookup walks the request's blocks through RAM, then continues on
+disk; the blocks found on disk are read back into RAM. ``--disk-writes behind`` (the engine's rule) writes
+every full block a request computes as soon as it is published; ``eviction`` writes a block when RAM evicts
+it instead. The disk's policy (``--disk-policy``, the engine's: LRU) sees every write and every disk hit,
+never a RAM hit. Partial last blocks never reach the disk (the engine never publishes one). The result
+splits hits by tier and counts the blocks written, read and evicted on disk.
+
 Replicas: ``--replicas N --routing affinity|round-robin|least-loaded`` routes every request to one of N
 replicas with :mod:`minivllm.cluster.routing` (the rule the live router runs), then replays each replica's
 requests against its own cache of ``--capacity`` blocks. The rule never looks at the caches, so routing
 first and replaying each replica afterwards is exact, and works for every policy, belady included.
 
 CLI: ``python -m minivllm.replay TRACE --policy default --capacity 10000 [--json]``,
-``--replicas 4 --routing affinity`` (capacity per replica), or
+``--replicas 4 --routing affinity`` (capacity per replica), ``--disk-capacity 100000`` (two tiers), or
 ``--sweep --policies adaptive,s3fifo,lru --capacities 1000,10000 [--plot out.png]``.
 """
 
@@ -42,6 +50,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from minivllm.cache.disk_tier import EVICTION as DISK_EVICTION
 from minivllm.cache.eviction import POLICIES, EvictionPolicy, make_policy
 from minivllm.cluster.routing import ROUTINGS, Router, RoutingConfig
 from minivllm.config import DEFAULT_EVICTION
@@ -49,6 +58,7 @@ from minivllm.config import DEFAULT_EVICTION
 logger = logging.getLogger(__name__)
 
 OFFLINE_POLICIES = ("belady", "belady-prefix", "infinite")
+DISK_WRITE_RULES = ("behind", "eviction")  # the engine writes behind: docs/disk-tier.md has the measurement
 REPLAY_POLICIES = POLICIES + OFFLINE_POLICIES
 DEFAULT = "default"  # resolves to the engine's default policy
 
@@ -90,6 +100,27 @@ class ReplicasReplayResult:
     requests_per_replica: list[int]
     replicas: int
     routing: str
+
+
+@dataclass(slots=True)
+class TieredReplayResult:
+    """A replay with a disk tier under the RAM cache: hits split by tier, and the disk's traffic."""
+
+    policy: str
+    disk_policy: str
+    disk_writes: str  # the write rule: "behind" or "eviction"
+    capacity: int
+    disk_capacity: int
+    hit_tokens: int
+    ram_hit_tokens: int
+    disk_hit_tokens: int
+    total_tokens: int
+    token_hit_rate: float
+    ram_hit_rate: float
+    disk_hit_rate: float
+    blocks_written: int  # blocks written to disk
+    blocks_read: int  # blocks read back from disk (the disk hits)
+    blocks_evicted: int  # blocks the disk gave up
 
 
 # --- loading ---
@@ -361,6 +392,101 @@ def replay_cache(
     return ReplayResult(policy_name, hit_tokens, total_tokens, rate, hit_blocks, total_blocks, unreachable)
 
 
+class _DiskModel:
+    """The disk tier's bookkeeping in a replay: the engine's policy class, and the traffic it causes."""
+
+    def __init__(self, policy: EvictionPolicy):
+        self.policy = policy
+        self.written = self.read = self.evicted = 0
+
+    def put(self, key: object, parent: object) -> None:
+        """A write of a block the disk lacks (if the policy admits it), or a touch of one it holds. The
+        engine's disk tier pins nothing: every access is released at once."""
+        new = key not in self.policy
+        self.evicted += len(self.policy.access(key, parent))
+        self.policy.release(key)
+        self.written += new and key in self.policy
+
+
+def replay_tiers(
+    requests: Sequence[TraceRequest],
+    policy_name: str,
+    capacity: int,
+    disk_capacity: int,
+    disk_policy: str = DISK_EVICTION,
+    disk_writes: str = "behind",
+    block_size: int = 512,
+) -> TieredReplayResult:
+    """Replay the trace against a RAM cache of `capacity` blocks over a disk tier of `disk_capacity` blocks
+    (0: none). Hit accounting as `replay_cache`, with the prefix k extended on disk: RAM blocks from index 0,
+    then disk blocks, up to the first block in neither."""
+    if disk_writes not in DISK_WRITE_RULES:
+        raise ValueError(f"disk_writes must be one of {DISK_WRITE_RULES}, got {disk_writes!r}")
+    if disk_capacity < 0 or block_size < 1:
+        raise ValueError("disk_capacity must be >= 0 and block_size >= 1")
+    policy_name = resolve_policy(policy_name)
+    ram = make_cache(requests, policy_name, capacity)
+    disk = _DiskModel(make_policy(disk_policy, disk_capacity)) if disk_capacity else None
+    parents: dict = {}
+    partials: set = set()  # blocks some request had as a partial last block: never written to disk
+    ram_tokens = disk_tokens = total_tokens = 0
+    for req in requests:
+        blocks = req.hash_ids
+        k = 0
+        while k < len(blocks) and blocks[k] in ram:
+            k += 1
+        d = k
+        while disk is not None and d < len(blocks) and blocks[d] in disk.policy:
+            d += 1
+        ram_hit = min(k * block_size, req.input_length)
+        ram_tokens += ram_hit
+        disk_tokens += min(d * block_size, req.input_length) - ram_hit
+        total_tokens += req.input_length
+        parent, last = None, len(blocks) - 1
+        partial_tail = req.input_length < len(blocks) * block_size
+        for i, h in enumerate(blocks):
+            parents.setdefault(h, parent)
+            partial = partial_tail and i == last
+            if partial:
+                partials.add(h)
+            evicted = ram.access(h, parent, partial)
+            if disk is not None:
+                if k <= i < d:  # read back from disk: a use of the disk copy
+                    disk.read += 1
+                    disk.put(h, parent)
+                elif i >= d and disk_writes == "behind" and not partial:
+                    disk.put(h, parent)  # computed and published: written behind
+                if disk_writes == "eviction":
+                    for e in evicted:
+                        if e not in partials:
+                            disk.put(e, parents[e])
+            parent = h
+        for h in reversed(blocks):
+            ram.release(h)
+    hits = ram_tokens + disk_tokens
+
+    def rate(tokens: int) -> float:
+        return tokens / total_tokens if total_tokens else 0.0
+
+    return TieredReplayResult(
+        policy=policy_name,
+        disk_policy=disk_policy,
+        disk_writes=disk_writes,
+        capacity=capacity,
+        disk_capacity=disk_capacity,
+        hit_tokens=hits,
+        ram_hit_tokens=ram_tokens,
+        disk_hit_tokens=disk_tokens,
+        total_tokens=total_tokens,
+        token_hit_rate=rate(hits),
+        ram_hit_rate=rate(ram_tokens),
+        disk_hit_rate=rate(disk_tokens),
+        blocks_written=disk.written if disk else 0,
+        blocks_read=disk.read if disk else 0,
+        blocks_evicted=disk.evicted if disk else 0,
+    )
+
+
 def count_unreachable(cache: Iterable, parents: dict) -> int:
     """Cached blocks with some block of their prefix not cached: no lookup can reach them."""
     resident = set(cache)
@@ -494,6 +620,20 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "") -> None:
     plt.close(fig)
 
 
+def format_tiered(r: TieredReplayResult) -> str:
+    """The text report of a two-tier replay."""
+    return "\n".join(
+        [
+            f"policy: {r.policy} ({r.capacity} blocks in RAM); disk: {r.disk_policy} ({r.disk_capacity} blocks), "
+            f"writes {r.disk_writes}",
+            f"token hit rate: {r.token_hit_rate:.6f} (ram {r.ram_hit_rate:.6f}, disk {r.disk_hit_rate:.6f})",
+            f"hit tokens: {r.hit_tokens} (ram {r.ram_hit_tokens}, disk {r.disk_hit_tokens})",
+            f"total tokens: {r.total_tokens}",
+            f"disk blocks written: {r.blocks_written}, read: {r.blocks_read}, evicted: {r.blocks_evicted}",
+        ]
+    )
+
+
 # --- CLI ---
 
 
@@ -530,6 +670,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--routing", choices=ROUTINGS, help="with --replicas: how requests are routed (default affinity)"
     )
+    p.add_argument(
+        "--disk-capacity", type=int, help="add a disk tier of this many blocks under the RAM cache (0: none)"
+    )
+    p.add_argument(
+        "--disk-policy",
+        choices=POLICIES,
+        help=f"with --disk-capacity: the disk tier's eviction policy (default the engine's, {DISK_EVICTION})",
+    )
+    p.add_argument(
+        "--disk-writes",
+        choices=DISK_WRITE_RULES,
+        help="with --disk-capacity: write blocks to disk when published (behind, the engine's) or when RAM "
+        "evicts them (eviction)",
+    )
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--small-ratio", type=float, default=0.1, help="S3FIFO small-queue share")
     p.add_argument("--max-freq", type=int, default=3, help="S3FIFO frequency cap")
@@ -553,6 +707,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--replicas must be >= 1, and is for a single replay (not --sweep)")
     if args.routing is not None and args.replicas is None:
         p.error("--routing needs --replicas")
+    if args.disk_capacity is not None and (args.disk_capacity < 0 or args.sweep or args.replicas is not None):
+        p.error("--disk-capacity must be >= 0, and is for a single replay (not --sweep or --replicas)")
+    if (args.disk_policy or args.disk_writes) and args.disk_capacity is None:
+        p.error("--disk-policy and --disk-writes need --disk-capacity")
     if args.sweep:
         if not args.capacities:
             p.error("--sweep needs --capacities")
@@ -588,6 +746,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.sweep:
             rows = sweep(requests, args.policies, args.capacities, **opts)
+        elif args.disk_capacity is not None:
+            result = replay_tiers(
+                requests,
+                args.policy,
+                args.capacity,
+                args.disk_capacity,
+                args.disk_policy or DISK_EVICTION,
+                args.disk_writes or "behind",
+                args.block_size,
+            )
         elif args.replicas is not None:
             routing = args.routing or "affinity"
             result = replay_replicas(requests, args.policy, args.capacity, args.replicas, routing, **opts)
@@ -608,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json:
         print(json.dumps(asdict(result)))
+    elif isinstance(result, TieredReplayResult):
+        print(format_tiered(result))
     else:
         print(f"policy: {result.policy}")
         print(f"hit tokens: {result.hit_tokens}")

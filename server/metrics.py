@@ -18,12 +18,34 @@ _GAUGES = (
     ("minivllm_pages_free", "KV pages free", "pages_free"),
     ("minivllm_pages_cached", "KV pages cached (published, unreferenced)", "pages_cached"),
     ("minivllm_pages_in_use", "KV pages referenced by requests", "pages_in_use"),
+    ("minivllm_kv_disk_pages", "KV pages on the disk tier", "kv_disk_pages"),
+    ("minivllm_kv_disk_bytes", "Bytes the disk tier's page files occupy", "kv_disk_bytes"),
+    ("minivllm_kv_disk_capacity_bytes", "The disk tier's budget in bytes", "kv_disk_capacity_bytes"),
 )
 _COUNTERS = (
     ("minivllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_query_tokens"),
-    ("minivllm_prefix_cache_hits", "Prompt tokens restored from the prefix cache", "prefix_hit_tokens"),
     ("minivllm_computed_prompt_tokens", "Prompt tokens run through the model", "computed_prompt_tokens"),
     ("minivllm_pages_published", "KV pages published to the prefix cache", "pages_published"),
+    ("minivllm_kv_disk_reads", "KV pages read back from the disk tier", "kv_disk_pages_read"),
+    ("minivllm_kv_disk_writes", "KV pages written to the disk tier", "kv_disk_pages_written"),
+    ("minivllm_kv_disk_evictions", "KV pages the disk tier deleted for room", "kv_disk_pages_evicted"),
+    ("minivllm_kv_disk_read_bytes", "Bytes of KV read back from the disk tier", "kv_disk_bytes_read"),
+    ("minivllm_kv_disk_written_bytes", "Bytes of KV written to the disk tier", "kv_disk_bytes_written"),
+    (
+        "minivllm_kv_disk_rejected_files",
+        "Disk tier files deleted unserved: another model or layout, truncated, corrupt, leftovers",
+        "kv_disk_pages_rejected",
+    ),
+    (
+        "minivllm_kv_disk_write_errors",
+        "KV pages the disk tier failed to write (a full disk, an I/O error)",
+        "kv_disk_write_errors",
+    ),
+    (
+        "minivllm_kv_disk_writes_dropped",
+        "KV pages not written because the disk tier's write queue was full",
+        "kv_disk_writes_dropped",
+    ),
     ("minivllm_pages_evicted", "Cached KV pages evicted", "pages_evicted"),
     (
         "minivllm_pages_unreachable",
@@ -78,6 +100,18 @@ _COUNTERS = (
 )
 
 
+# (metric name, help, label, {label value: engine stats key}): counters split by a label; their sum over
+# it is the unsplit total (sum(minivllm_prefix_cache_hits_total) is every prefix-cache hit)
+_SPLIT_COUNTERS = (
+    (
+        "minivllm_prefix_cache_hits",
+        "Prompt tokens restored from the prefix cache, by the tier they came from",
+        "tier",
+        {"ram": "prefix_hit_tokens_ram", "disk": "prefix_hit_tokens_disk"},
+    ),
+)
+
+
 class _EngineCollector:
     def __init__(self):
         self.engine = None  # bound when the engine has started
@@ -94,6 +128,12 @@ class _EngineCollector:
                 for replica, stats in sorted(by_replica.items()):
                     metric.add_metric([replica], stats.get(key, 0))
                 yield metric
+        for name, help_, label, keys in _SPLIT_COUNTERS:
+            metric = CounterMetricFamily(name, help_, labels=(["replica"] if labelled else []) + [label])
+            for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or ""):
+                for value, key in keys.items():
+                    metric.add_metric(([replica] if labelled else []) + [value], stats.get(key, 0))
+            yield metric
 
 
 class Metrics:

@@ -127,6 +127,20 @@ OPTIONS: tuple[Option, ...] = (
         _parse_bytes,
         "KV pool size in bytes, K/M/G suffixes allowed (default: 10%% of memory, at most 2 GiB)",
     ),
+    _engine(
+        "kv_disk_dir",
+        "MINIVLLM_KV_DISK_DIR",
+        str | None,
+        str.strip,
+        "directory of a persistent disk tier under the KV pool (default: none)",
+    ),
+    _engine(
+        "kv_disk_bytes",
+        "MINIVLLM_KV_DISK_BYTES",
+        int | None,
+        _parse_bytes,
+        "disk tier size in bytes, K/M/G suffixes allowed (default: 10%% of the free disk, at most 20 GiB)",
+    ),
     _engine("max_num_seqs", "MINIVLLM_MAX_NUM_SEQS", int, _parse_int, "most requests running at once"),
     _engine(
         "max_num_batched_tokens",

@@ -271,3 +271,42 @@ def test_speculative_quick_measures_both_workloads_at_both_batch_sizes(tiny_mode
     rates = [v for by_batch in data["raw"].values() for cells in by_batch.values()
              for name, cell in cells.items() if name != "same" for v in cell["rate"]]  # fmt: skip
     assert len(rates) == 12 and all(v > 0 for v in rates)
+
+
+def test_kv_tier_quick_restores_the_prompt_from_disk(tiny_model_dir, tmp_path):
+    """benchmarks.kv_tier on the tiny model: the warm-from-disk runs restore every restorable page from disk."""
+    from benchmarks import kv_tier
+
+    kv_tier.main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"])
+    (path,) = tmp_path.glob("kv_tier-quick*.json")
+    data = json.loads(path.read_text())
+    rows = {row["measurement"]: row for row in data["rows"]}
+    restorable = data["metadata"]["restorable_tokens"]
+    assert rows["TTFT, cold"]["detail"].startswith("0 tokens cached")
+    assert rows["TTFT, warm in RAM"]["detail"].startswith(f"{restorable} tokens cached, 0 from disk")
+    for label in ("TTFT, warm from disk (RAM cache dropped)", "TTFT, warm from disk after a restart"):
+        assert rows[label]["detail"].startswith(f"{restorable} tokens cached, {restorable} from disk")
+    assert rows["index rebuild at start"]["detail"] == f"{restorable // 16} pages"
+    assert float(rows["disk tier read, OS page cache warm"]["value"].split()[0]) > 0
+    assert {"decode, no disk tier", "page files written, one page per file"} <= set(rows)
+
+
+def test_replay_tiers_writes_both_tables(tmp_path):
+    from benchmarks import replay_tiers
+    from tests.test_replay import random_prefix_trace
+
+    for i, name in enumerate(replay_tiers.TRACES):
+        lines = [
+            json.dumps({"input_length": r.input_length, "hash_ids": r.hash_ids})
+            for r in random_prefix_trace(i)
+        ]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    assert (
+        replay_tiers.main(["--traces-dir", str(tmp_path), "--out-dir", str(tmp_path), "--allow-dirty"]) == 0
+    )
+    (tiers_path,) = [p for p in tmp_path.glob("replay_tiers*.json") if "design" not in p.name]
+    tiers = json.loads(tiers_path.read_text())
+    design = json.loads(next(tmp_path.glob("replay_tiers_design*.json")).read_text())
+    assert len(tiers["rows"]) == 2 * 6 and len(design["rows"]) == 2 * 4 * 4
+    no_disk = [row for row in tiers["rows"] if row["disk blocks"] == 0]
+    assert all(row["from disk"] == "0.0000" and row["blocks written"] == 0 for row in no_disk)

@@ -16,6 +16,7 @@ from minivllm.replay import (
     load_trace,
     main,
     replay,
+    replay_tiers,
     sweep,
 )
 
@@ -301,6 +302,10 @@ def test_cli_bad_trace_exits_2_without_traceback(tmp_path, capsys):
         ["--sweep", "--capacities", "5", "--policies", "lru,arc"],
         ["--sweep", "--capacities", "5,x"],
         ["--sweep"],
+        ["--policy", "lru", "--capacity", "5", "--disk-policy", "lru"],
+        ["--policy", "lru", "--capacity", "5", "--disk-capacity", "-1"],
+        ["--sweep", "--capacities", "5", "--disk-capacity", "10"],
+        ["--policy", "lru", "--capacity", "5", "--disk-capacity", "10", "--disk-writes", "never"],
     ],
 )
 def test_cli_bad_args_exit_2(trace_file, args, capsys):
@@ -315,3 +320,59 @@ def test_partial_last_block_is_flagged_to_the_policy():
     assert replay(trace, "adaptive", 3).hit_blocks == 1
     full = [req([9]), req([1, 2]), req([3]), req([9])]  # the same with a full last block: 9 goes
     assert replay(full, "adaptive", 3).hit_blocks == 0
+
+
+# --- two tiers ---
+
+
+def test_a_lookup_walks_ram_then_continues_on_disk():
+    # RAM of 3 blocks (LRU) over a disk of 10: C finds block 1 in RAM (B used it), 2 and 3 on disk only
+    trace = [req([1, 2, 3]), req([1, 5, 6]), req([1, 2, 3])]
+    r = replay_tiers(trace, "lru", 3, 10)
+    assert (r.ram_hit_tokens, r.disk_hit_tokens) == (2 * BS, 2 * BS)  # B: block 1; C: block 1 + blocks 2, 3
+    assert r.hit_tokens == r.ram_hit_tokens + r.disk_hit_tokens
+    assert r.token_hit_rate == pytest.approx(r.ram_hit_rate + r.disk_hit_rate) == pytest.approx(4 / 9)
+    assert (r.blocks_written, r.blocks_read, r.blocks_evicted) == (5, 2, 0)
+
+
+def test_without_a_disk_two_tiers_are_the_single_replay():
+    trace = random_prefix_trace(3)
+    for policy in ("adaptive", "lru", "belady"):
+        single, tiered = replay(trace, policy, 40), replay_tiers(trace, policy, 40, 0)
+        assert tiered.hit_tokens == tiered.ram_hit_tokens == single.hit_tokens
+        assert tiered.blocks_written == tiered.disk_hit_tokens == 0
+
+
+def test_a_disk_as_large_as_the_trace_reaches_the_infinite_cache_but_for_partial_blocks():
+    trace = [req(r.hash_ids) for r in random_prefix_trace(4)]  # full blocks only
+    infinite = replay(trace, "infinite", 1).hit_tokens
+    assert replay_tiers(trace, "adaptive", 5, 10_000).hit_tokens == infinite
+    partial = [req([1, 2], 700), req([1, 2], 700)]  # block 2 is partial: never on disk
+    assert replay_tiers(partial, "lru", 1, 10).disk_hit_tokens == BS
+
+
+def test_writing_on_eviction_writes_only_what_ram_gives_up():
+    trace = [req([1, 2, 3]), req([4, 5, 6]), req([1, 2, 3])]
+    behind = replay_tiers(trace, "lru", 3, 10, disk_writes="behind")
+    evicted = replay_tiers(trace, "lru", 3, 10, disk_writes="eviction")
+    assert behind.blocks_written == 6 and behind.disk_hit_tokens == 3 * BS
+    # A's blocks are written when B evicts them, B's when C does; C reads A's back from disk
+    assert evicted.blocks_written == 6 and evicted.disk_hit_tokens == 3 * BS
+    assert replay_tiers(trace[:2], "lru", 3, 10, disk_writes="eviction").blocks_written == 3
+
+
+def test_the_disk_evicts_by_its_own_policy():
+    trace = [req([1]), req([2]), req([3]), req([1])]  # RAM of 1, disk of 2 (LRU): 3 evicts 1
+    r = replay_tiers(trace, "lru", 1, 2)
+    assert r.hit_tokens == 0 and r.blocks_written == 4 and r.blocks_evicted == 2  # 1 again evicts 2
+
+
+def test_cli_disk_capacity_reports_both_tiers(trace_file, capsys):
+    args = [str(trace_file), "--policy", "lru", "--capacity", "2", "--disk-capacity", "100"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["disk_capacity"] == 100 and out["disk_policy"] == "lru" and out["disk_writes"] == "behind"
+    assert out["hit_tokens"] == out["ram_hit_tokens"] + out["disk_hit_tokens"]
+    assert main([*args, "--disk-writes", "eviction"]) == 0
+    text = capsys.readouterr().out
+    assert "token hit rate:" in text and "(ram " in text and "writes eviction" in text

@@ -376,7 +376,8 @@ def test_metrics_move(server, client):
         "minivllm_e2e_request_latency_seconds_count",
     ):
         assert after[name] > before.get(name, 0), name
-    assert after["minivllm_prefix_cache_hits_total"] > 0  # LONG_PROMPT ran before
+    assert after["minivllm_prefix_cache_hits_total{tier=ram}"] > 0  # LONG_PROMPT ran before
+    assert after["minivllm_prefix_cache_hits_total{tier=disk}"] == 0  # no disk tier
     assert after["minivllm_pages_total"] == server.engine.kv.pool.num_pages
     for name in (
         "minivllm_pages_free",
@@ -387,6 +388,8 @@ def test_metrics_move(server, client):
         "minivllm_pages_published_total",
         "minivllm_pages_evicted_total",
         "minivllm_pages_unreachable_total",
+        "minivllm_kv_disk_reads_total",
+        "minivllm_kv_disk_bytes",
         "minivllm_single_flight_flights_opened_total",
         "minivllm_single_flight_followers_coalesced_total",
         "minivllm_single_flight_follower_wait_seconds_total",

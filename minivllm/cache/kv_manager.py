@@ -6,11 +6,22 @@ admitted", "give it room for N tokens", "publish what the step computed", "relea
 table lives on its Sequence (the runner reads it to build the step's layout) but only this manager
 changes it. The PagePool is the storage bookkeeping (refcounts, free list, the chained-hash index); the
 eviction policy (minivllm.cache.eviction) picks victims inside it.
+
+With a disk tier (minivllm.cache.disk_tier) under the pool, a prefix lookup continues on disk where RAM
+stops: admission allocates pool pages for the pages found there and starts reading them; the request is
+"restoring" (the scheduler skips it) until the engine copies the bytes into the pools (`apply_restores`),
+and then they are published and count as cached. Every page published is also handed to the disk's writer
+after the step (`write_behind`). The KV bytes move between the pools and numpy on the engine's side (the
+callbacks): nothing here touches MLX.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from minivllm.cache.disk_tier import DiskRead, DiskTier, PageRecord
 from minivllm.cache.eviction import make_policy
 from minivllm.cache.page_pool import PagePool, PoolCounters
 
@@ -28,13 +39,40 @@ class PoolState:
     cached: int
 
 
+@dataclass(eq=False)
+class DiskRestore:
+    """A request's prefix pages being read from disk into the pool pages page_table[first:] holds."""
+
+    seq: "Sequence"
+    first: int
+    read: DiskRead
+
+
+@dataclass
+class PageWrite:
+    """A page published in this step, to be copied to disk after it."""
+
+    page: int
+    record: PageRecord
+
+
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, eviction: str, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        eviction: str,
+        enable_prefix_caching: bool = True,
+        disk: DiskTier | None = None,
+    ):
         self.num_pages = num_pages
         self.page_size = page_size
         self.eviction = eviction
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = self._new_pool(PoolCounters())
+        self.disk = disk
+        self.restores: dict[Sequence, DiskRestore] = {}  # requests waiting for pages from disk
+        self._disk_writes: list[PageWrite] = []
 
     def _new_pool(self, counters: PoolCounters) -> PagePool:
         pool = PagePool(self.num_pages, self.page_size, make_policy(self.eviction, self.num_pages))
@@ -74,13 +112,25 @@ class KVManager:
         at most floor((N-1)/P) pages of N tokens."""
         if not self.enable_prefix_caching:
             return []
-        n, hashes = len(seq.token_ids), seq.full_page_hashes(self.page_size)
-        return self.pool.lookup(hashes, seq.token_ids, (n - 1) // self.page_size)
+        hashes = seq.full_page_hashes(self.page_size)
+        return self.pool.lookup(hashes, seq.token_ids, self._restorable_pages(seq))
+
+    def _restorable_pages(self, seq: "Sequence") -> int:
+        return (len(seq.token_ids) - 1) // self.page_size
+
+    def _on_disk(self, seq: "Sequence", first: int) -> list[PageRecord]:
+        """The pages on disk that continue seq's cached prefix from page `first` on."""
+        if self.disk is None or not self.enable_prefix_caching:
+            return []
+        hashes = seq.full_page_hashes(self.page_size)[first : self._restorable_pages(seq)]
+        return self.disk.lookup(hashes, seq.token_ids, first)
 
     # -- a request's pages ----------------------------------------------------------------------------
     def admit(self, seq: "Sequence") -> int | None:
         """Restore seq's longest cached prefix and allocate pages for the rest of its tokens; the tokens
-        restored, or None (nothing changed) when the pool cannot hold it now."""
+        restored from RAM, or None (nothing changed) when the pool cannot hold it now. Pages the disk
+        tier continues the prefix with start being read into the first allocated pages: seq is
+        restoring until apply_restores."""
         hits = self._cached_prefix(seq)
         need = self.pages_for(len(seq.token_ids)) - len(hits)
         taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0)  # acquiring un-caches them
@@ -90,7 +140,50 @@ class KVManager:
         seq.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
         seq.num_computed_tokens = len(hits) * self.page_size
         seq.publish_cursor = len(hits)
+        on_disk = self._on_disk(seq, len(hits))
+        if on_disk:
+            self.restores[seq] = DiskRestore(seq, len(hits), self.disk.read(on_disk))
         return seq.num_computed_tokens
+
+    def is_restoring(self, seq: "Sequence") -> bool:
+        return seq in self.restores
+
+    def wait_for_restores(self, timeout: float) -> None:
+        """Until a pending disk read is done (the engine has nothing else to step), at most timeout s."""
+        if self.restores:
+            self.disk.wait_for_reads([r.read for r in self.restores.values()], timeout)
+
+    def apply_restores(
+        self, write_pages: Callable[[list[int], np.ndarray], None]
+    ) -> list[tuple["Sequence", int]]:
+        """Finish the disk reads that are done: write_pages(pages, payloads) puts the bytes into the pools
+        (the engine's runner, on the stepping thread), then the pages are published and computed. Each
+        request with the tokens it got from disk (a prefix of what it asked for: the first page the
+        disk could not serve, and those after it, are computed instead)."""
+        restored = []
+        for r in [r for r in self.restores.values() if r.read.done]:
+            del self.restores[r.seq]
+            n = r.read.num_ok
+            if n:
+                write_pages(r.seq.page_table[r.first : r.first + n], r.read.payloads[:n])
+            self._publish_restored(r.seq, r.first, n)
+            restored.append((r.seq, n * self.page_size))
+        return restored
+
+    def _publish_restored(self, seq: "Sequence", first: int, n: int) -> None:
+        hashes = seq.full_page_hashes(self.page_size)
+        for i in range(first, first + n):
+            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            parent = hashes[i - 1] if i else None
+            self.pool.publish(seq.page_table[i], hashes[i], parent, tokens)  # a twin stays private
+        seq.num_computed_tokens = (first + n) * self.page_size
+        seq.publish_cursor = first + n
+        self.pool.counters.pages_from_disk += n
+
+    def _cancel_restore(self, seq: "Sequence") -> None:
+        r = self.restores.pop(seq, None)
+        if r is not None:
+            r.read.cancelled = True  # the reader stops; its bytes are never applied
 
     def grow(self, seq: "Sequence", num_tokens: int) -> None:
         """Give seq pages for num_tokens (the caller checked that they are available)."""
@@ -130,28 +223,63 @@ class KVManager:
                 # (Anthropic's usage counts it as cache creation)
                 if end <= seq.num_prompt_tokens:
                     seq.num_published_prompt_tokens += self.page_size
+                if self.disk is not None:
+                    self._disk_writes.append(
+                        PageWrite(seq.page_table[i], PageRecord(hashes[i], parent, tuple(tokens)))
+                    )
         seq.publish_cursor = max(seq.publish_cursor, full)
+
+    def write_behind(self, read_pages: Callable[[list[int]], np.ndarray]) -> None:
+        """Hand the pages published since the last call, and not on disk yet, to the disk's writer:
+        read_pages(pages) copies their KV out of the pools (the engine's runner, after the step's
+        evaluation). A page that stopped holding its hash since (evicted, reused) is skipped."""
+        writes = [
+            w
+            for w in self._disk_writes
+            if self.pool.page_hash[w.page] == w.record.hash and not self.disk.contains(w.record.hash)
+        ]
+        self._disk_writes = []
+        if writes:
+            self.disk.write([w.record for w in writes], read_pages([w.page for w in writes]))
 
     def release(self, seq: "Sequence") -> None:
         """seq gives all its pages back (what it published stays cached) and has no KV any more."""
         self.pool.release(seq.page_table)
         self.forget(seq)
 
-    @staticmethod
-    def forget(seq: "Sequence") -> None:
+    def forget(self, seq: "Sequence") -> None:
+        self._cancel_restore(seq)
         seq.page_table = []
         seq.num_computed_tokens = 0
         seq.publish_cursor = 0
 
     def reset(self, holders: "list[Sequence]") -> None:
         """Start afresh after a fault that may have left the bookkeeping or the KV half-updated: holders
-        lose their pages without releasing them, and the cache is forgotten (counters are kept)."""
+        lose their pages without releasing them, and the cache is forgotten (counters are kept). The disk
+        tier stays: its pages were verified when written, and are again when read."""
         for seq in holders:
             self.forget(seq)
+        for seq in list(self.restores):
+            self._cancel_restore(seq)
+        self._disk_writes = []
         self.pool = self._new_pool(self.pool.counters)
 
     def clear_cache(self) -> None:
         self.pool.clear_cache()
+
+    def disk_stats(self) -> dict:
+        return self.disk.stats() if self.disk is not None else {}
+
+    def close(self) -> None:
+        """Write what the disk tier has queued and release its directory; from now on RAM alone (a request
+        still waiting for disk pages computes them)."""
+        if self.disk is None:
+            return
+        for seq in list(self.restores):
+            self._cancel_restore(seq)
+        self._disk_writes = []
+        self.disk.close()
+        self.disk = None
 
     # -- invariants -----------------------------------------------------------------------------------
     def check_invariants(self, holders: "list[Sequence]") -> None:
@@ -163,3 +291,4 @@ class KVManager:
         free = set(self.pool.free)
         for seq in holders:
             assert not free.intersection(seq.page_table), f"{seq.request_id} holds a free page"
+        assert set(self.restores) <= set(holders), "a request restores pages it does not hold"

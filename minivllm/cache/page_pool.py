@@ -29,6 +29,7 @@ class PoolCounters:
     pages_evicted: int = 0  # cached pages the policy or the allocator gave up
     pages_unreachable: int = 0  # cached pages freed because a page of their prefix was evicted
     pages_restored: int = 0  # page hits handed to requests
+    pages_from_disk: int = 0  # pages read back from the disk tier into the pool
 
 
 class PagePool:

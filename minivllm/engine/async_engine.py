@@ -78,6 +78,8 @@ class AsyncEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("engine thread did not stop within %.0f s", timeout)
+        if not self.is_running:  # never on a thread that still steps
+            self.engine.close()  # the disk tier's queued pages, then its directory lock
         self._close_streams("server shutting down")
 
     def _close_streams(self, reason: str) -> None:

@@ -1,28 +1,36 @@
 """The synchronous engine: requests in, one step at a time, outputs out.
 
 LLMEngine owns the model runner, the page pool and the scheduler. Everything that touches them runs on
-one thread (the caller's, or the async engine's stepping thread).
+one thread (the caller's, or the async engine's stepping thread); the disk tier's reads and writes run on
+its own threads, on bytes the stepping thread copies out of and into the pools between steps.
 """
 
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from llguidance import LLMatcher
 
+from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.kv_manager import KVManager
+from minivllm.cache.page_file import TierIdentity
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
-from minivllm.engine.model_runner import KVGeometry, LaunchedStep, ModelRunner
+from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, LaunchedStep, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence, TokenLogprob
 from minivllm.engine.validation import RequestError, check_context_length, check_logit_bias, check_prompt_ids
 from minivllm.models.backend import detect_backend
+from minivllm.models.identity import model_digest
 from minivllm.models.loader import activation_dtype, load_model
 
 logger = logging.getLogger(__name__)
+
+DISK_WAIT_S = 0.05  # with nothing to step but disk reads, wait this long at most for one (new requests too)
 
 
 class QueueFull(RuntimeError):
@@ -58,7 +66,8 @@ class LLMEngine:
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
         self.num_pages = num_pages = self._num_pages(geometry)
-        self.kv = KVManager(num_pages, config.page_size, config.eviction, config.enable_prefix_caching)
+        disk = self._open_disk_tier(geometry)
+        self.kv = KVManager(num_pages, config.page_size, config.eviction, config.enable_prefix_caching, disk)
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
         self.mask_counters = MaskCounters()
         self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size, self.mask_counters)
@@ -96,6 +105,42 @@ class LLMEngine:
                 f"kv_cache_bytes={budget} holds fewer than 2 pages of {self.config.page_size} tokens"
             )
         return num_pages
+
+    def _open_disk_tier(self, geometry: KVGeometry) -> DiskTier | None:
+        """The disk tier config.kv_disk_dir names, or None. A directory another process holds is an error;
+        one that cannot be used (unwritable, not a directory) leaves the engine serving from RAM alone,
+        with a warning."""
+        if self.config.kv_disk_dir is None:
+            return None
+        directory = Path(self.config.kv_disk_dir).expanduser()
+        start = time.perf_counter()
+        identity = TierIdentity(
+            model=model_digest(
+                self.model_config["_resolved_path"], f"{self.backend.name} {self.model_config['_weights']}"
+            ),
+            page_size=self.config.page_size,
+            dtype=str(geometry.dtype).removeprefix("mlx.core."),
+            layout=KV_LAYOUT_VERSION,
+            page_bytes=geometry.bytes_per_token * self.config.page_size,
+        )
+        logger.info(
+            "model digest for the disk tier: %s (%.2f s)", identity.model.hex(), time.perf_counter() - start
+        )
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            capacity = self.config.kv_disk_bytes or default_capacity(directory)
+            return DiskTier(directory, capacity, identity)
+        except DiskTierBusy:
+            raise
+        except OSError as e:
+            logger.warning(
+                "KV disk tier off: cannot use %s (%s); serving from the RAM pool alone", directory, e
+            )
+            return None
+
+    def close(self) -> None:
+        """Write the disk tier's queued pages and release its directory (the engine steps no more)."""
+        self.kv.close()
 
     def _max_model_len(self, pool_tokens: int) -> int:
         """The context length: the setting, at most the model's, at most what the pool holds for one sequence
@@ -170,9 +215,12 @@ class LLMEngine:
         self.scheduler.step_seqs = list(step.seqs) if step else []
         try:
             if step is None:
+                self._apply_disk_restores()
                 scheduled = self.scheduler.schedule()
                 step = self.runner.launch(scheduled.seqs, scheduled.num_tokens) if scheduled else None
             if step is None:
+                self.kv.write_behind(self.runner.page_payloads)  # pages of a request stopped in schedule()
+                self.kv.wait_for_restores(DISK_WAIT_S)
                 return self._collect(outputs)
             if self.overlap:
                 ahead = self.scheduler.schedule_ahead(ScheduledStep(step.seqs, step.num_tokens))
@@ -186,6 +234,9 @@ class LLMEngine:
             seqs, outs = [step.seqs[i] for i in kept], [step_outputs[i] for i in kept]
             before = [(len(seq.token_ids), len(seq.logprobs)) for seq in seqs]
             self.scheduler.postprocess(ScheduledStep(seqs, [step.num_tokens[i] for i in kept]), outs)
+            # after the evaluation: the pages it published, to disk (with overlap on, this waits for
+            # the step in flight, once per page boundary)
+            self.kv.write_behind(self.runner.page_payloads)
             for seq, (length, num_logprobs) in zip(seqs, before):
                 if len(seq.token_ids) > length:  # one new token, or several from a verified draft
                     tokens, logprobs = seq.token_ids[length:], seq.logprobs[num_logprobs:]
@@ -195,6 +246,11 @@ class LLMEngine:
             failed = self.scheduler.step_seqs or list(self.requests.values())
             logger.exception("step failed; failing %d requests", len(failed))
             return self.fail(failed, e)
+
+    def _apply_disk_restores(self) -> None:
+        """Pages the disk tier has read for waiting requests go into the pools; they can run now."""
+        for seq, tokens in self.kv.apply_restores(self.runner.write_pages):
+            self.scheduler.restored_from_disk(seq, tokens)
 
     def fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
         """End seqs with reason "error" and the fault as detail. A fault may have left the pool's
@@ -261,6 +317,8 @@ class LLMEngine:
             "prefix_lookups": c.lookups,
             "prefix_query_tokens": c.query_tokens,
             "prefix_hit_tokens": c.hit_tokens,
+            "prefix_hit_tokens_ram": c.hit_tokens - c.disk_hit_tokens,
+            "prefix_hit_tokens_disk": c.disk_hit_tokens,
             "computed_prompt_tokens": c.computed_prompt_tokens,
             "preemptions": c.preemptions,
             "prefix_waiters": c.prefix_waiters,
@@ -268,6 +326,7 @@ class LLMEngine:
             "pages_evicted": p.pages_evicted,
             "pages_unreachable": p.pages_unreachable,
             "pages_restored": p.pages_restored,
+            "pages_from_disk": p.pages_from_disk,
             "steps": self.num_steps,
             "steps_ahead": self.num_steps_ahead,
             "spec_draft_tokens": self.scheduler.spec_counters.draft_tokens,
@@ -275,6 +334,7 @@ class LLMEngine:
             "grammar_masks": self.mask_counters.masks,
             "grammar_mask_seconds": self.mask_counters.seconds,
         }
+        stats |= self.kv.disk_stats()
         if self.scheduler.flights:
             f = self.scheduler.flights.counters
             stats |= {

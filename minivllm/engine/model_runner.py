@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from kernels.paged_attention import build_layout
 from minivllm.engine.grammar import MaskCounters, token_bitmasks
@@ -17,6 +18,13 @@ from minivllm.engine.sequence import Sequence, TokenLogprob
 from minivllm.models.qwen2 import KVPools, forward
 
 logger = logging.getLogger(__name__)
+
+# How a page's KV is laid out as bytes on disk: the keys of layers 0 .. L-1, then their values, each
+# [kv heads, page size, head dim] in the pools' dtype. Part of every page file's identity: bump it when
+# this order changes, and no page written before is ever loaded.
+KV_LAYOUT_VERSION = 1
+# numpy has no bfloat16: its pages travel as the same bits in uint16
+_STORED_AS = {mx.bfloat16: mx.uint16}
 
 
 @dataclass
@@ -83,6 +91,36 @@ class ModelRunner:
             values=[mx.zeros(shape, dtype=g.dtype) for _ in range(g.num_layers)],
         )
         mx.eval(self.kv.keys, self.kv.values)
+
+    # -- page KV to and from the disk tier ---------------------------------------------------------------
+    def page_payloads(self, pages: list[int]) -> np.ndarray:
+        """Copies of the pages' KV as [len(pages), page bytes] uint8, in KV_LAYOUT_VERSION's order. Call on
+        the stepping thread after the step's evaluation: one gather per pool, then one copy to host
+        memory that nothing of the pools refers to (so the next step's writes stay in place)."""
+        g, n = self.geometry, len(pages)
+        slots = self._slots(pages)
+        parts = mx.stack([mx.take(pool, slots, axis=1) for pool in self.kv.keys + self.kv.values])
+        pages_first = parts.reshape(2 * g.num_layers, g.num_kv_heads, n, self.page_size, g.head_dim)
+        stored = mx.contiguous(pages_first.transpose(2, 0, 1, 3, 4))
+        stored = stored.view(_STORED_AS.get(g.dtype, g.dtype))
+        return np.array(stored).reshape(n, -1).view(np.uint8)
+
+    def write_pages(self, pages: list[int], payloads: np.ndarray) -> None:
+        """Put pages' KV read back from disk (page_payloads' layout) into the pools, in place, evaluated."""
+        g, n = self.geometry, len(pages)
+        stored = _STORED_AS.get(g.dtype, g.dtype)
+        host = payloads.view(np.dtype(str(stored).removeprefix("mlx.core.")))
+        x = mx.array(host.reshape(n, 2 * g.num_layers, g.num_kv_heads, self.page_size, g.head_dim))
+        x = x.view(g.dtype).transpose(1, 2, 0, 3, 4).reshape(2 * g.num_layers, g.num_kv_heads, -1, g.head_dim)
+        slots = self._slots(pages)
+        for layer in range(g.num_layers):
+            self.kv.keys[layer][:, slots] = x[layer]  # a scatter into the pool's own buffer (write_kv)
+            self.kv.values[layer][:, slots] = x[g.num_layers + layer]
+        mx.eval(self.kv.keys, self.kv.values)
+
+    def _slots(self, pages: list[int]) -> mx.array:
+        offsets = np.arange(self.page_size)
+        return mx.array((np.asarray(pages)[:, None] * self.page_size + offsets).reshape(-1).astype(np.int32))
 
     def launch(
         self, seqs: list[Sequence], num_tokens: list[int], after: "LaunchedStep | None" = None

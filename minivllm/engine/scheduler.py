@@ -35,7 +35,8 @@ class CacheCounters:
     # lookups, query and hit tokens: at a request's first admission only (readmissions are not hits)
     lookups: int = 0
     query_tokens: int = 0  # prompt tokens looked up (token-weighted, as vLLM counts)
-    hit_tokens: int = 0  # prompt tokens restored
+    hit_tokens: int = 0  # prompt tokens restored (from RAM or disk)
+    disk_hit_tokens: int = 0  # of those, the tokens read back from the disk tier
     computed_prompt_tokens: int = 0  # prompt tokens run through the model
     preemptions: int = 0
     prefix_waiters: int = 0  # requests that waited for pages another request's prefill was computing
@@ -134,6 +135,8 @@ class Scheduler:
         # step that preempted it would only be preempted again by the next page its preemptor needs.
         if self.counters.preemptions == preemptions:
             prefills += self._admit_waiting(budget - len(prefills))
+        # a request whose prefix pages are still being read from disk waits for them; nobody else does
+        prefills = [s for s in prefills if not self.kv.is_restoring(s)]
         for seq, n in zip(prefills, fair_shares([s.num_uncomputed_tokens for s in prefills], budget)):
             # pages for the whole prompt came with admission: a prefill chunk never needs to preempt
             if n > 0 and self.kv.pages_short(seq, seq.num_computed_tokens + n) <= 0:
@@ -302,6 +305,14 @@ class Scheduler:
             self.counters.hit_tokens += seq.num_cached_tokens
         seq.num_admissions += 1
         return True
+
+    def restored_from_disk(self, seq: Sequence, tokens: int) -> None:
+        """seq's pages read back from disk are in the pool: at its first admission they are cached prompt
+        tokens like those restored from RAM (admission counted those)."""
+        if self.config.enable_prefix_caching and seq.num_admissions == 1:
+            seq.num_cached_tokens += tokens
+            self.counters.hit_tokens += tokens
+            self.counters.disk_hit_tokens += tokens
 
     def preempt(self, seq: Sequence) -> None:
         """For lack of pages: requeue seq first; it restores or recomputes its tokens when readmitted."""
