@@ -129,19 +129,20 @@ def test_a_request_drafts_less_and_pauses_after_misses_and_recovers_on_a_hit():
     state = DraftState(limit=8)
     state.record(8, 8)
     assert (state.limit, state.pause) == (16, 0)  # doubled; the engine caps it at speculative_tokens
+    state.limit = 8
     state.record(8, 3)
-    assert (state.limit, state.pause) == (4, 0)
+    assert (state.limit, state.pause) == (8, 0)  # accepted in part: kept
     pauses, limits = [], []
-    for _ in range(6):
+    for _ in range(7):
         state.record(state.limit, 0)  # nothing accepted: half the draft, and a longer pause
         pauses.append(state.pause)
         limits.append(state.limit)
-    assert pauses == [1, 3, 7, MAX_PAUSE, MAX_PAUSE, MAX_PAUSE] and limits == [2, 1, 1, 1, 1, 1]
+    assert pauses == [0, 1, 3, 7, MAX_PAUSE, MAX_PAUSE, MAX_PAUSE] and limits == [4, 2, 1, 1, 1, 1, 1]
     for _ in range(MAX_PAUSE):
         state.decoded_without_draft()
     assert state.pause == 0
     state.record(1, 1)
-    assert (state.misses, state.limit, state.drafted, state.accepted) == (0, 2, 8 + 8 + 4 + 2 + 4 + 1, 12)
+    assert (state.misses, state.limit, state.drafted, state.accepted) == (0, 2, 8 + 8 + 8 + 4 + 2 + 4 + 1, 12)
 
 
 # -- greedy: the same tokens --------------------------------------------------------------------------------
