@@ -15,3 +15,5 @@ python -m benchmarks.peer "$@"
 python -m benchmarks.structured "$@"
 python -m benchmarks.quality --plot "$@"
 python -m benchmarks.replay_sweep
+python -m benchmarks.replay_tiers
+python -m benchmarks.kv_tier "$@"

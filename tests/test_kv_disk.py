@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from minivllm import EngineConfig, SamplingParams
@@ -19,7 +21,9 @@ from minivllm.cache import disk_tier
 from minivllm.cache.disk_tier import DiskTier
 from minivllm.cache.page_file import file_name
 from minivllm.cache.page_hash import extend_page_hashes
+from minivllm.engine.grammar import MaskCounters
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.model_runner import KVGeometry, ModelRunner
 from tests.reference import MlxLmReference
 from tests.test_engine import random_prompts
 from tests.tiny_model import BYTES_PER_PAGE, make_tiny_model
@@ -105,7 +109,9 @@ KILLED_WRITER = """
 import os, signal, sys
 import minivllm
 from minivllm import EngineConfig, SamplingParams
+from minivllm.engine.grammar import MaskCounters
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.model_runner import KVGeometry, ModelRunner
 from tests.test_engine import random_prompts
 
 model, disk = sys.argv[1:3]
@@ -299,3 +305,20 @@ def test_a_read_makes_only_its_own_request_wait(tiny_model_dir, reference, tmp_p
     assert slow.num_cached_tokens == 96 and slow.output_token_ids == reference.greedy(slow_prompt, 8)
     assert busy.output_token_ids == reference.greedy(busy_prompt, 20)
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_page_kv_round_trips_between_pools_and_bytes(dtype):
+    """The runner's copies out of and into the pools, for every pool dtype (bfloat16 travels as uint16)."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=getattr(mx, dtype))
+    runner = ModelRunner(None, geometry, num_pages=4, page_size=PAGE, mask_counters=MaskCounters())
+    pools = runner.kv.keys + runner.kv.values
+    for i, pool in enumerate(pools):
+        pool[:] = mx.random.normal(pool.shape, key=mx.random.key(i)).astype(pool.dtype)
+    expected = [np.array(pool[:, PAGE : 2 * PAGE].astype(mx.float32)) for pool in pools]  # page 1
+    payloads = runner.page_payloads([1, 3])
+    assert payloads.dtype == np.uint8 and payloads.shape == (2, geometry.bytes_per_token * PAGE)
+    runner.reset_kv()
+    runner.write_pages([2, 0], payloads)  # page 1's bytes into page 2
+    for pool, want in zip(runner.kv.keys + runner.kv.values, expected):
+        assert np.array_equal(np.array(pool[:, 2 * PAGE : 3 * PAGE].astype(mx.float32)), want)
