@@ -186,6 +186,8 @@ class Scheduler:
         instead of computing it a second time; if that prefill stops, the page is no longer in flight and
         the waiter computes it itself)."""
         admitted: list[Sequence] = []
+        if not self.waiting or room <= 0:
+            return admitted  # no step hashes the running prefills' pages for nobody
         computing = self._pages_in_prefill(self.running)
         for seq in list(self.waiting):
             if room <= 0 or len(self.running) >= self.config.max_num_seqs:
