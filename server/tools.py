@@ -93,26 +93,16 @@ class ToolCalling:
             choice = choice.name
         if not used:
             return None
-        if not tokenizer.has_tool_calling:
-            raise APIError(400, "this model's chat template has no tool-call format", param="tools")
-        return cls(
-            tools=tools,
-            choice=choice or "auto",
-            parallel=parallel,
-            start=tokenizer.tool_call_start,
-            end=tokenizer.tool_call_end,
-            parser=tokenizer.tool_parser,
-            bare_calls=choice in (None, "auto") and text_answer,
-            start_token=tokenizer.added_token_id(tokenizer.tool_call_start),
-            end_token=tokenizer.added_token_id(tokenizer.tool_call_end),
+        return cls.of_functions(
+            tools, choice or "auto", parallel, choice in (None, "auto") and text_answer, tokenizer
         )
 
     @classmethod
     def of_functions(
         cls, tools: list[p.Tool], choice: str, parallel: bool, bare_calls: bool, tokenizer
     ) -> "ToolCalling":
-        """For a protocol other than chat (server.responses), whose request has checked its tools: choice is
-        "auto", "required" or the name of one of them."""
+        """Checked tools in the model's call format: choice is "auto", "required" or the name of one of
+        them (build checks a chat request's; server.responses checks its own)."""
         if not tokenizer.has_tool_calling:
             raise APIError(400, "this model's chat template has no tool-call format", param="tools")
         return cls(
