@@ -13,6 +13,7 @@ python -m benchmarks.single_flight --plot "$@"
 python -m benchmarks.single_flight --scenario churn "$@"
 python -m benchmarks.peer "$@"
 python -m benchmarks.structured "$@"
+python -m benchmarks.speculative "$@"
 python -m benchmarks.quality --plot "$@"
 python -m benchmarks.replay_sweep
 python -m benchmarks.replay_tiers

@@ -112,26 +112,28 @@ def rows_of(raw: dict) -> list[dict]:
     rows = []
     for workload, by_batch in raw.items():
         for batch, cells in by_batch.items():
-            off, on = mean_sd(cells["speculation off"]["rate"]), mean_sd(cells["speculation on"]["rate"])
-            row = {
-                "workload": workload,
-                "batch": batch,
-                "speculation off (tok/s)": f"{off[0]:.2f} ± {off[1]:.2f}",
-                "speculation on (tok/s)": f"{on[0]:.2f} ± {on[1]:.2f}",
-                "on / off": f"{on[0] / off[0]:.2f}x",
-                "acceptance": _ratio(mean_sd(cells["speculation on"]["acceptance"])[0]),
-            }
+            on = cells["speculation on"]["rate"]
+            row = {"workload": workload, "batch": batch}
+            row |= {f"{name} (tok/s)": _rate(cells[name]["rate"]) for name in cells if name != "same"}
+            row["on / off"] = _ratio(on, cells["speculation off"]["rate"])
             if "mlx-lm" in cells:
-                mlx = mean_sd(cells["mlx-lm"]["rate"])
-                row["mlx-lm (tok/s)"] = f"{mlx[0]:.2f} ± {mlx[1]:.2f}"
-                row["on / mlx-lm"] = f"{on[0] / mlx[0]:.2f}x"
+                row["on / mlx-lm"] = _ratio(on, cells["mlx-lm"]["rate"])
+            acceptance = mean_sd(cells["speculation on"]["acceptance"])[0]
+            row["acceptance"] = "—" if math.isnan(acceptance) else f"{acceptance:.2f}"  # nothing drafted
             row["same tokens"] = "yes" if all(cells["same"]) else "NO"
             rows.append(row)
     return rows
 
 
-def _ratio(x: float) -> str:
-    return "—" if math.isnan(x) else f"{x:.2f}"  # nothing drafted
+def _rate(values: list[float]) -> str:
+    mean, sd = mean_sd(values)
+    return f"{mean:.2f} ± {sd:.2f}"
+
+
+def _ratio(values: list[float], bases: list[float]) -> str:
+    """Run by run (each run measures the engines one after the other): the mean ± sd of the ratios."""
+    mean, sd = mean_sd([v / b for v, b in zip(values, bases)])
+    return f"{mean:.2f}x ± {sd:.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     notes = (
         "Decode rates are aggregate tokens per second once every request has its first token; mean ± sd "
-        "over the runs. Acceptance is the share of drafted tokens accepted. Speculation drafts only while at "
+        "over the runs; the ratios are taken run by run (the engines of a run measure one after the other, "
+        "so a busy machine slows them alike), mean ± sd. Acceptance is the share of drafted tokens accepted. Speculation drafts only while at "
         "most 4 requests decode (minivllm.engine.scheduler.SPEC_MAX_DECODES), and the drafts of one step "
         "share speculative_tokens (8)."
     )

@@ -619,8 +619,8 @@ MUTATIONS = [
         "spec-draft-evicts-or-overflows",
         "a draft is not bounded by the free pages",
         SCHEDULER,
-        "min(share, self.kv.free_room(seq) - len(seq.token_ids))",
-        "share",
+        "room = min(share, self.kv.free_room(seq) - len(seq.token_ids))",
+        "room = share",
         SPECULATIVE_TESTS,
     ),
 ]

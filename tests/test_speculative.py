@@ -385,3 +385,33 @@ def test_the_settings_and_the_metrics():
     text = metrics.render().decode()
     assert "minivllm_spec_draft_tokens_total 7.0" in text
     assert "minivllm_spec_accepted_tokens_total 5.0" in text
+
+
+def test_through_the_server_stop_strings_cut_as_without_speculation(looping_model_dir):
+    """The server matches stop strings on the text, with several tokens arriving in one step."""
+    import httpx
+
+    from tests.server_thread import ServerThread, tiny_settings
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    kw = dict(model="tiny", prompt=prompt, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+    seen = {}
+    for mode in ("off", "ngram"):
+        with ServerThread(tiny_settings(looping_model_dir, speculative=mode)) as server:
+            client = server.client()
+            full = client.completions.create(**kw).choices[0].text
+            # a stop string first found well into the text
+            stop = next(full[i : i + 3] for i in range(12, len(full) - 3) if full.find(full[i : i + 3]) == i)
+            r = client.completions.create(stop=[stop], **kw)
+            stream = "".join(
+                c.choices[0].text for c in client.completions.create(stream=True, stop=[stop], **kw)
+            )
+            seen[mode] = (full, stop, r.choices[0].text, r.choices[0].finish_reason, stream)
+            metrics = httpx.get(server.url + "/metrics").text
+    assert seen["ngram"] == seen["off"]
+    full, stop, cut, reason, stream = seen["ngram"]
+    assert cut == stream == full[: full.index(stop)] and reason == "stop"
+    (accepted,) = [
+        line for line in metrics.splitlines() if line.startswith("minivllm_spec_accepted_tokens_total")
+    ]
+    assert float(accepted.split()[-1]) > 0

@@ -62,7 +62,7 @@ def accepted_tokens(draft: list[int], sampled: list[int]) -> list[int]:
     n = 0
     while n < len(draft) and sampled[n] == draft[n]:
         n += 1
-    return sampled[: n + 1]
+    return draft[:n] + sampled[n : n + 1]
 
 
 @dataclass(slots=True)

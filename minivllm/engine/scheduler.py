@@ -18,7 +18,7 @@ from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import MaskCounters, advance
 from minivllm.engine.ngram_draft import accepted_tokens, propose
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from minivllm.engine.single_flight import FlightCoordinator
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,10 @@ class Scheduler:
             if share == 0:
                 continue
             seq = seqs[i]
-            draft = propose(seq.token_ids, min(share, self.kv.free_room(seq) - len(seq.token_ids)))
+            room = min(share, self.kv.free_room(seq) - len(seq.token_ids))
+            if room <= 0:
+                continue  # no free page: a full pool is no sign that drafts miss
+            draft = propose(seq.token_ids, room)
             if not draft:
                 seq.draft.back_off()
                 continue
@@ -372,7 +375,7 @@ class Scheduler:
         if not seq.is_finished:
             self.kv.truncate(seq, len(seq.token_ids))
 
-    def _append_token(self, seq: Sequence, token: int, logprob=None) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
