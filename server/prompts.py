@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from minivllm.engine.validation import RequestError, check_context_length
 from minivllm.models.tokenizer import Tokenizer
+from server import generic_tools
 from server import protocol as p
 from server.errors import APIError
 from server.tools import conversation
@@ -91,11 +92,14 @@ class PromptBuilder:
     async def chat(
         self, messages: list[p.ChatMessage], max_tokens: int | None, tools: list[dict] | None = None
     ) -> list[int]:
-        """tools: the request's tools, for a template that renders them (None: no tools in the prompt)."""
+        """tools: the request's tools, for the template to render (None: no tools in the prompt); for a
+        template without a tool-call format, the server renders them, and past calls and results, itself."""
         turns = conversation(messages)
         for turn in turns:
             if turn["role"] == "developer":
                 turn["role"] = self.developer_role
+        if not self.tokenizer.has_tool_calling:
+            turns, tools = generic_tools.render(turns, tools), None
         return await self._off_loop(self._chat_ids, turns, max_tokens, tools)
 
     async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:

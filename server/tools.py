@@ -4,6 +4,8 @@ tool calls out of its text, and the grammar that makes a forced call follow its 
 The call format is the model's own, as mlx-lm infers it from the chat template (`tool_call_start`,
 `tool_call_end` and `tool_parser` on its tokenizer wrapper): Qwen2.5 and Hermes write
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. mlx-lm's parser reads each block. A
+template without a call format gets the generic one of server.generic_tools (the same blocks, rendered by
+the server). A
 marker that is an added token (Qwen's two are) is that token in a forced call's grammar, not its text.
 """
 
@@ -13,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from minivllm.engine.grammar import JSON_OPTIONS
+from server import generic_tools
 from server import protocol as p
 from server.errors import APIError
 
@@ -101,20 +104,22 @@ class ToolCalling:
     def of_functions(
         cls, tools: list[p.Tool], choice: str, parallel: bool, bare_calls: bool, tokenizer
     ) -> "ToolCalling":
-        """Checked tools in the model's call format: choice is "auto", "required" or the name of one of
-        them (build checks a chat request's; server.responses checks its own)."""
-        if not tokenizer.has_tool_calling:
-            raise APIError(400, "this model's chat template has no tool-call format", param="tools")
+        """Checked tools in the model's call format, or the generic one (server.generic_tools) for a
+        template without one: choice is "auto", "required" or the name of one of them (build checks a chat
+        request's; server.responses checks its own)."""
+        own = tokenizer.has_tool_calling
+        start = tokenizer.tool_call_start if own else generic_tools.START
+        end = tokenizer.tool_call_end if own else generic_tools.END
         return cls(
             tools=tools,
             choice=choice,
             parallel=parallel,
-            start=tokenizer.tool_call_start,
-            end=tokenizer.tool_call_end,
-            parser=tokenizer.tool_parser,
+            start=start,
+            end=end,
+            parser=tokenizer.tool_parser if own else generic_tools.parse_tool_call,
             bare_calls=bare_calls,
-            start_token=tokenizer.added_token_id(tokenizer.tool_call_start),
-            end_token=tokenizer.added_token_id(tokenizer.tool_call_end),
+            start_token=tokenizer.added_token_id(start),
+            end_token=tokenizer.added_token_id(end),
         )
 
     @property

@@ -306,6 +306,22 @@ MUTATIONS = [
         ("tests/test_default_model.py", "-k", "call_grammar"),
     ),
     Mutation(
+        "generic-tool-results-unmerged",
+        "in the generic tool format, each tool result is its own user turn (not one turn after the calls)",
+        "server/generic_tools.py",
+        "            if after_result:",
+        "            if False:",
+        ("tests/test_generic_tools.py", "-k", "renders"),
+    ),
+    Mutation(
+        "generic-tools-left-out",
+        "a template without a tool-call format gets no tool list in its prompt",
+        "server/prompts.py",
+        "            turns, tools = generic_tools.render(turns, tools), None",
+        "            turns, tools = generic_tools.render(turns, None), None",
+        ("tests/test_generic_tools.py",),
+    ),
+    Mutation(
         "request-dict-keys-unmarked",
         "control strings in a request's dict keys (parameter names, argument keys) stay control tokens",
         "server/prompts.py",

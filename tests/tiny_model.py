@@ -30,6 +30,11 @@ CHAT_TEMPLATE = (
     "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The same ChatML without any tool format: a model whose tools take the server's generic format
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
     "Paged attention stores keys and values in fixed-size blocks of sixteen tokens.",
@@ -66,13 +71,14 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     fim: bool = False,
     weight_scale: float = 4.0,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model. fim: with
     Qwen2.5-Coder's fill-in-the-middle tokens among the special tokens. weight_scale: see
     save_random_weights (1.0, the default init's: a model whose greedy outputs repeat themselves)."""
     path = Path(path)
     specials = SPECIAL_TOKENS + FIM_TOKENS if fim else SPECIAL_TOKENS
-    tok = write_tokenizer(path, build_tokenizer(special_tokens=specials), model_max_length=2048)
+    tok = write_tokenizer(path, build_tokenizer(special_tokens=specials), 2048, chat_template)
     vocab_size = 512  # >= tokenizer vocabulary, like real models' padded vocabularies
     config = {
         "model_type": "qwen2",
@@ -190,7 +196,9 @@ def make_tiny_family_model(
     return path
 
 
-def write_tokenizer(path: Path, tok: Tokenizer, model_max_length: int) -> Tokenizer:
+def write_tokenizer(
+    path: Path, tok: Tokenizer, model_max_length: int, chat_template: str = CHAT_TEMPLATE
+) -> Tokenizer:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
@@ -201,7 +209,7 @@ def write_tokenizer(path: Path, tok: Tokenizer, model_max_length: int) -> Tokeni
                 "pad_token": "<|endoftext|>",
                 "bos_token": None,
                 "add_bos_token": False,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
                 "model_max_length": model_max_length,
             },
             indent=2,
