@@ -215,7 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     with running_server(ServerSpec("minivllm", model, env=env, label="agent-session")) as server:
         for protocol in args.protocols.split(","):
             session = messages_session if protocol == "messages" else responses_session
-            turns += asyncio.run(session(server.base_url, server.model_id, system, args))
+            # each agent has its own system prompt (as Claude Code's and Codex's differ): no session
+            # starts from the other's cached prefix, so each cold turn is cold
+            own_system = f"You are the coding agent of a {protocol} client.\n{system}"
+            turns += asyncio.run(session(server.base_url, server.model_id, own_system, args))
     name = runner.result_name("agent_session", args)
     meta = results.metadata(model, system_tokens=args.system_tokens, turns=args.turns)
     paths = results.write_results(
