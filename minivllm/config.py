@@ -33,6 +33,8 @@ class EngineConfig:
     # a second tier of the prefix cache on disk, persistent across restarts (minivllm.cache.disk_tier)
     kv_disk_dir: str | None = None  # None: no disk tier
     kv_disk_bytes: int | None = None  # None: 10% of the disk's free space, at most 20 GiB
+    # the cache advice (minivllm.shadow) replays the page hashes of the last this many requests; 0: off
+    shadow_requests: int = 2000
 
     def __post_init__(self) -> None:
         self.validate()
@@ -55,6 +57,7 @@ class EngineConfig:
         _check(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {SPECULATIVE_MODES}")
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
         _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")
+        _check(self.shadow_requests >= 0, "shadow_requests must be >= 0")
         _check(
             self.kv_disk_dir is None or self.enable_prefix_caching,
             "kv_disk_dir is a tier of the prefix cache: it needs the prefix cache on",

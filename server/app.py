@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
+from minivllm.shadow import ShadowReplay
 from server import chat, completions, messages, responses, web
 from server import protocol as p
 from server.core import ServerState
@@ -42,8 +43,9 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         owned = isinstance(eng, AsyncEngine) and not eng.is_running
         if owned:
             eng.start()
-        metrics.bind_engine(eng)
-        app.state.server = _state(settings, eng, metrics)
+        shadow = _cache_advice(settings, eng)
+        metrics.bind_engine(eng, shadow)
+        app.state.server = _state(settings, eng, metrics, shadow)
         logger.info("serving %s (max_model_len %d)", app.state.server.model_name, eng.max_model_len)
         reason = f"server shutting down (open past MINIVLLM_SHUTDOWN_TIMEOUT={settings.shutdown_timeout:g} s)"
         undo = limit_shutdown(
@@ -56,6 +58,8 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         finally:
             undo()
             app.state.server.prompts.close()
+            if shadow is not None:
+                shadow.close()
             if owned:
                 eng.shutdown()  # on the loop thread: it ends the open streams (asyncio queues are not thread-safe)
 
@@ -68,7 +72,23 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     return app
 
 
-def _state(settings: Settings, engine: EngineClient, metrics: Metrics) -> ServerState:
+def _cache_advice(settings: Settings, engine: EngineClient) -> ShadowReplay | None:
+    """The cache advice of a local engine that records its requests' page hashes (replicas behind a
+    router do not report it)."""
+    if not isinstance(engine, AsyncEngine) or engine.hash_stream is None:
+        return None
+    eng = engine.engine
+    config = eng.config
+    shadow = ShadowReplay(
+        engine.hash_stream, eng.num_pages, config.eviction, config.page_size, settings.cache_shadow_interval
+    )
+    shadow.start()
+    return shadow
+
+
+def _state(
+    settings: Settings, engine: EngineClient, metrics: Metrics, shadow: ShadowReplay | None = None
+) -> ServerState:
     tokenizer = engine.tokenizer
     prompts = PromptBuilder(tokenizer, engine.max_model_len)
     return ServerState(
@@ -80,6 +100,7 @@ def _state(settings: Settings, engine: EngineClient, metrics: Metrics) -> Server
         prompts,
         tokenizer.special_token_ids,
         tokenizer.token_bytes,
+        shadow=shadow,
     )
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.validation import RequestError, check_context_length
+from minivllm.shadow import ShadowReplay
 from server import protocol as p
 from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body
@@ -41,6 +42,7 @@ class ServerState:
     special_token_ids: frozenset[int]  # left out of output text unless a request asks for them
     token_bytes: Callable[[int], bytes]  # one token's own bytes, for logprobs
     streams: set[Generation] = field(default_factory=set)  # the generations of open streams
+    shadow: ShadowReplay | None = None  # the cache advice, for a local engine
 
     def end_streams(self, reason: str) -> int:
         """End every open stream with an error event; how many there were."""

@@ -115,6 +115,7 @@ _SPLIT_COUNTERS = (
 class _EngineCollector:
     def __init__(self):
         self.engine = None  # bound when the engine has started
+        self.shadow = None  # the cache advice (minivllm.shadow.ShadowReplay), when it runs
 
     def collect(self):
         by_replica = self.engine.replica_stats() if self.engine is not None else {None: {}}
@@ -133,6 +134,16 @@ class _EngineCollector:
             for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or ""):
                 for value, key in keys.items():
                     metric.add_metric(([replica] if labelled else []) + [value], stats.get(key, 0))
+            yield metric
+        if self.shadow is not None and self.shadow.rates:
+            metric = GaugeMetricFamily(
+                "minivllm_cache_shadow_hit_rate",
+                "Prompt-token hit rate of the recent requests replayed with this policy and pool size "
+                "(times the pool's pages); belady-prefix is the best possible",
+                labels=["policy", "pool_factor"],
+            )
+            for rate in self.shadow.rates:
+                metric.add_metric([rate.policy, f"{rate.pool_factor:g}"], rate.hit_rate)
             yield metric
 
 
@@ -160,8 +171,9 @@ class Metrics:
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def bind_engine(self, engine) -> None:
+    def bind_engine(self, engine, shadow=None) -> None:
         self._engine.engine = engine
+        self._engine.shadow = shadow
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -209,6 +209,22 @@ OPTIONS: tuple[Option, ...] = (
         _parse_int,
         "the most tokens drafted in one step (all requests together)",
     ),
+    _engine(
+        "cache_shadow_requests",
+        "MINIVLLM_CACHE_SHADOW_REQUESTS",
+        int,
+        _parse_int,
+        "cache advice: the requests whose page hashes are replayed at other pool sizes (0: off)",
+        "shadow_requests",
+    ),
+    Option(
+        "cache_shadow_interval",
+        "MINIVLLM_CACHE_SHADOW_INTERVAL",
+        float,
+        _parse_seconds,
+        30.0,
+        "cache advice: seconds between replays of the recorded requests (in a worker process)",
+    ),
     Option(
         "max_request_bytes",
         "MINIVLLM_MAX_REQUEST_BYTES",

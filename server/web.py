@@ -6,6 +6,7 @@ JavaScript, nothing fetched from elsewhere, so it works offline. Its API calls g
 client's, with the API key it asks for when the server requires one.
 """
 
+from dataclasses import asdict
 from importlib import resources
 
 from fastapi import APIRouter, Request
@@ -33,4 +34,6 @@ async def cache_stats(request: Request) -> dict:
                 total[key] = total.get(key, 0) + value
     looked_up = total.get("prefix_query_tokens", 0)
     total["hit_rate"] = total.get("prefix_hit_tokens", 0) / looked_up if looked_up else 0.0
+    if st.shadow is not None:  # the cache advice: the recent requests replayed at other pool sizes
+        total["shadow"] = [asdict(rate) for rate in st.shadow.rates]
     return total

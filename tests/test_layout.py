@@ -209,6 +209,7 @@ ENGINE_PUBLIC = {
     "minivllm",
     "minivllm.cli",
     "minivllm.config",
+    "minivllm.shadow",
     "minivllm.cluster.routing",
     "minivllm.cache.page_hash",  # the chained page hash, which the replica router computes too
     "minivllm.engine.async_engine",

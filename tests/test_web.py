@@ -22,7 +22,7 @@ FLAGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-ne
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerThread(tiny_settings(tiny_model_dir)) as s:
+    with ServerThread(tiny_settings(tiny_model_dir, cache_shadow_interval=0.2)) as s:
         yield s
 
 
@@ -111,6 +111,23 @@ def test_the_cache_panel_shows_the_servers_numbers(server, page):
         timeout=10_000,
     )
     assert truth["hit_rate"] == truth["prefix_hit_tokens"] / truth["prefix_query_tokens"]
+
+
+def test_the_cache_panel_gives_the_advice_of_the_shadow_replay(server, page):
+    ask(page, "Advice, please.")
+    page.locator(".stats").nth(0).filter(has_text="cached").wait_for(timeout=120_000)
+    shadow = server.app.state.server.shadow
+    while shadow.replayed < shadow.stream.recorded:  # the replay that includes this request
+        assert shadow._thread.is_alive(), "the advice stopped"
+        shadow._stop.wait(0.05)
+    rates = {
+        (r["policy"], r["pool_factor"]): r["hit_rate"]
+        for r in httpx.get(server.url + "/v1/cache/stats").json()["shadow"]
+    }
+    policy = server.engine.config.eviction
+    pct = [f"{100 * rates[key]:.0f}%" for key in ((policy, 2.0), (policy, 1.0), ("belady-prefix", 1.0))]
+    want = f"would have restored {pct[0]} of prompt tokens instead of {pct[1]}; the best possible with this pool is {pct[2]}"
+    page.locator("#advice").filter(has_text=want).wait_for(timeout=10_000)
 
 
 def test_the_page_asks_once_for_the_api_key_and_keeps_it(tiny_model_dir):

@@ -40,6 +40,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config or EngineConfig())
         self.tokenizer = self.engine.tokenizer
+        self.hash_stream = self.engine.hash_stream  # the requests' page hashes, for the cache advice
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

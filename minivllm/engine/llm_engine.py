@@ -15,6 +15,7 @@ from pathlib import Path
 from llguidance import LLMatcher
 
 from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
+from minivllm.cache.hash_stream import HashStream
 from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_file import TierIdentity
 from minivllm.config import EngineConfig
@@ -69,6 +70,8 @@ class LLMEngine:
         disk = self._open_disk_tier(geometry)
         self.kv = KVManager(num_pages, config.page_size, config.eviction, config.enable_prefix_caching, disk)
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
+        # what the cache advice replays (minivllm.shadow): each request's page hashes, no tokens
+        self.hash_stream = HashStream(config.shadow_requests) if config.shadow_requests else None
         self.mask_counters = MaskCounters()
         self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size, self.mask_counters)
         self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -179,6 +182,8 @@ class LLMEngine:
             matcher = self.grammars.matcher(params.structured_output)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id, token_ids, params, seed=seed, matcher=matcher)
+        if self.hash_stream is not None:
+            self.hash_stream.record(seq.full_page_hashes(self.config.page_size), len(token_ids))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq

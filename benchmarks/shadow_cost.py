@@ -1,0 +1,91 @@
+"""What the cache advice costs decode: tokens/s with the advice on (each request's page hashes recorded, the
+recorded stream replayed every --interval seconds in its low-priority worker process) and off, interleaved
+in one process on the same engine.
+
+The stream starts with --stream-requests synthetic requests (--stream-pages pages each, sharing prefixes),
+so that every replay has a long stream's work to do while the engine decodes.
+
+    python -m benchmarks.shadow_cost [--model DIR] [--batch 4] [--tokens 48] [--repeats 4]
+"""
+
+from __future__ import annotations
+
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
+import random
+import time
+
+from benchmarks.harness import models, results, runner
+from minivllm import LLM, SamplingParams
+from minivllm.cache.hash_stream import HashStream
+from minivllm.shadow import ShadowReplay
+
+
+def synthetic_stream(stream: HashStream, requests: int, pages: int, page_size: int) -> None:
+    rng = random.Random(0)
+    for _ in range(requests):
+        shared = rng.randrange(20)  # one of 20 system prompts, then the request's own pages
+        own = [rng.getrandbits(64) for _ in range(pages // 2)]
+        hashes = [(shared * 1000 + i).to_bytes(8, "little") for i in range(pages - len(own))]
+        stream.record(hashes + [h.to_bytes(8, "little") for h in own], pages * page_size)
+
+
+def decode_rate(llm: LLM, batch: int, tokens: int, round_: int) -> float:
+    """Generated tokens per second for a batch of short distinct prompts (prefill is a small share)."""
+    prompts = [[3 + (round_ * batch + i) % 500] * 8 + list(range(10, 26)) for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(c.token_ids) for c in out) / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = runner.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between replays (the server's: 30)")
+    p.add_argument("--stream-requests", type=int, default=2000)
+    p.add_argument("--stream-pages", type=int, default=64)
+    args = runner.parse_on_clean_tree(p, argv)
+    model = models.resolve_model(args.model)
+    llm = LLM(str(model))
+    engine, page_size = llm.engine, llm.engine.config.page_size
+    stream = engine.hash_stream
+    synthetic_stream(stream, args.stream_requests, args.stream_pages, page_size)
+    decode_rate(llm, args.batch, 4, 0)  # warm up
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    replays = 0
+    for r in range(args.repeats):
+        for mode in ("on", "off") if r % 2 else ("off", "on"):
+            if mode == "off":
+                engine.hash_stream = None
+                rates[mode].append(decode_rate(llm, args.batch, args.tokens, r))
+                continue
+            engine.hash_stream = stream
+            shadow = ShadowReplay(stream, engine.num_pages, engine.config.eviction, page_size, args.interval)
+            shadow.start()
+            while shadow.replayed < stream.recorded:  # its worker is up and has replayed once
+                time.sleep(0.1)
+            first = shadow.runs
+            rates[mode].append(decode_rate(llm, args.batch, args.tokens, r))
+            shadow.close(wait=True)  # its last replay ends before the next measure
+            replays += shadow.runs - first
+    llm.close()
+    rows = []
+    for mode, values in rates.items():
+        mean, sd = results.mean_sd(values)
+        rows.append({"advice": mode, "decode tok/s": mean, "sd": sd, "runs": len(values)})
+    on, off = rows[1]["decode tok/s"], rows[0]["decode tok/s"]
+    rows[1]["on / off"] = on / off
+    meta = results.metadata(
+        model, batch=args.batch, tokens=args.tokens, interval_s=args.interval,
+        stream_requests=args.stream_requests, stream_pages=args.stream_pages,
+        replays_while_on=replays,
+    )  # fmt: skip
+    results.print_report(results.write_results("shadow_cost", rows, meta, allow_dirty=args.allow_dirty))
+
+
+if __name__ == "__main__":
+    main()
