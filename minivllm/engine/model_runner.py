@@ -95,32 +95,48 @@ class ModelRunner:
     # -- page KV to and from the disk tier ---------------------------------------------------------------
     def page_payloads(self, pages: list[int]) -> np.ndarray:
         """Copies of the pages' KV as [len(pages), page bytes] uint8, in KV_LAYOUT_VERSION's order. Call on
-        the stepping thread after the step's evaluation: one gather per pool, then one copy to host
-        memory that nothing of the pools refers to (so the next step's writes stay in place)."""
-        g, n = self.geometry, len(pages)
-        slots = self._slots(pages)
-        parts = mx.stack([mx.take(pool, slots, axis=1) for pool in self.kv.keys + self.kv.values])
-        pages_first = parts.reshape(2 * g.num_layers, g.num_kv_heads, n, self.page_size, g.head_dim)
-        stored = mx.contiguous(pages_first.transpose(2, 0, 1, 3, 4))
-        stored = stored.view(_STORED_AS.get(g.dtype, g.dtype))
-        return np.array(stored).reshape(n, -1).view(np.uint8)
+        the stepping thread after the step's evaluation: one gather of whole pages per pool, then one copy
+        to host memory that nothing of the pools refers to (so the next step's writes stay in place)."""
+        index = self._page_index(pages)
+        parts = mx.stack(
+            [mx.take(self._by_page(pool), index, axis=1) for pool in self.kv.keys + self.kv.values]
+        )
+        stored = mx.contiguous(
+            parts.transpose(2, 0, 1, 3, 4)
+        )  # [pages, 2 x layers, kv heads, page, head dim]
+        stored = stored.view(_STORED_AS.get(self.geometry.dtype, self.geometry.dtype))
+        return np.array(stored).reshape(len(pages), -1).view(np.uint8)
 
     def write_pages(self, pages: list[int], payloads: np.ndarray) -> None:
-        """Put pages' KV read back from disk (page_payloads' layout) into the pools, in place, evaluated."""
+        """Put pages' KV read back from disk (page_payloads' layout) into the pools, in place, evaluated.
+        Whole pages are scattered (a page's [page size, head dim] block is contiguous in a pool's head):
+        2-3x faster than a scatter per token slot after a transpose of all of it, and no copy of it."""
         g, n = self.geometry, len(pages)
         stored = _STORED_AS.get(g.dtype, g.dtype)
         host = payloads.view(np.dtype(str(stored).removeprefix("mlx.core.")))
         x = mx.array(host.reshape(n, 2 * g.num_layers, g.num_kv_heads, self.page_size, g.head_dim))
-        x = x.view(g.dtype).transpose(1, 2, 0, 3, 4).reshape(2 * g.num_layers, g.num_kv_heads, -1, g.head_dim)
-        slots = self._slots(pages)
+        x = x.view(g.dtype)
+        index = self._page_index(pages)
         for layer in range(g.num_layers):
-            self.kv.keys[layer][:, slots] = x[layer]  # a scatter into the pool's own buffer (write_kv)
-            self.kv.values[layer][:, slots] = x[g.num_layers + layer]
+            for pools, row in ((self.kv.keys, layer), (self.kv.values, g.num_layers + layer)):
+                pools[layer] = self._put_pages(pools[layer], index, x[:, row])
         mx.eval(self.kv.keys, self.kv.values)
 
-    def _slots(self, pages: list[int]) -> mx.array:
-        offsets = np.arange(self.page_size)
-        return mx.array((np.asarray(pages)[:, None] * self.page_size + offsets).reshape(-1).astype(np.int32))
+    def _by_page(self, pool: mx.array) -> mx.array:
+        """A pool [kv heads, slots, head dim] viewed as [kv heads, pages, page size, head dim]."""
+        heads, slots, head_dim = pool.shape
+        return pool.reshape(heads, slots // self.page_size, self.page_size, head_dim)
+
+    def _put_pages(self, pool: mx.array, index: mx.array, kv: mx.array) -> mx.array:
+        """pool with its pages `index` set to kv [pages, kv heads, page size, head dim]. The caller drops
+        its reference to pool, so the scatter writes into pool's buffer (nothing else holds it)."""
+        by_page = self._by_page(pool)
+        by_page[:, index] = kv.transpose(1, 0, 2, 3)
+        return by_page.reshape(pool.shape)
+
+    @staticmethod
+    def _page_index(pages: list[int]) -> mx.array:
+        return mx.array(np.asarray(pages, dtype=np.int32))
 
     def launch(
         self, seqs: list[Sequence], num_tokens: list[int], after: "LaunchedStep | None" = None
