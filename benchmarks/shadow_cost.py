@@ -1,6 +1,8 @@
 """What the cache advice costs decode: tokens/s with the advice on (each request's page hashes recorded, the
 recorded stream replayed every --interval seconds in its low-priority worker process) and off, interleaved
-in one process on the same engine.
+in one process on the same engine; and, since a loaded machine's A/B spread hides a 1% difference, the
+recording's own time per request against one decode step of the same run (a request records once and
+decodes at least one step, so this share bounds what recording costs decode), and the replay's time.
 
 The stream starts with --stream-requests synthetic requests (--stream-pages pages each, sharing prefixes),
 so that every replay has a long stream's work to do while the engine decodes.
@@ -19,7 +21,7 @@ import time
 from benchmarks.harness import models, results, runner
 from minivllm import LLM, SamplingParams
 from minivllm.cache.hash_stream import HashStream
-from minivllm.shadow import ShadowReplay
+from minivllm.shadow import ShadowReplay, shadow_rates
 
 
 def synthetic_stream(stream: HashStream, requests: int, pages: int, page_size: int) -> None:
@@ -40,6 +42,16 @@ def decode_rate(llm: LLM, batch: int, tokens: int, round_: int) -> float:
     return sum(len(c.token_ids) for c in out) / (time.perf_counter() - start)
 
 
+def record_seconds(page_size: int, pages: int, calls: int = 2000) -> float:
+    """One record() of a request of `pages` full pages, into a full stream (so each also drops one)."""
+    stream = HashStream(calls // 2)
+    hashes = [i.to_bytes(32, "little") for i in range(pages)]
+    start = time.perf_counter()
+    for _ in range(calls):
+        stream.record(hashes, pages * page_size)
+    return (time.perf_counter() - start) / calls
+
+
 def main(argv: list[str] | None = None) -> None:
     p = runner.base_parser(__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=4)
@@ -48,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between replays (the server's: 30)")
     p.add_argument("--stream-requests", type=int, default=2000)
     p.add_argument("--stream-pages", type=int, default=64)
+    p.add_argument(
+        "--record-pages", type=int, default=512, help="pages of the request whose recording is timed"
+    )
     args = runner.parse_on_clean_tree(p, argv)
     model = models.resolve_model(args.model)
     llm = LLM(str(model))
@@ -72,13 +87,43 @@ def main(argv: list[str] | None = None) -> None:
             rates[mode].append(decode_rate(llm, args.batch, args.tokens, r))
             shadow.close(wait=True)  # its last replay ends before the next measure
             replays += shadow.runs - first
+    engine_pages, eviction = engine.num_pages, engine.config.eviction
     llm.close()
     rows = []
     for mode, values in rates.items():
         mean, sd = results.mean_sd(values)
-        rows.append({"advice": mode, "decode tok/s": mean, "sd": sd, "runs": len(values)})
-    on, off = rows[1]["decode tok/s"], rows[0]["decode tok/s"]
-    rows[1]["on / off"] = on / off
+        rows.append(
+            {
+                "measure": f"decode, advice {mode}",
+                "value": mean,
+                "sd": sd,
+                "unit": "tok/s",
+                "runs": len(values),
+            }
+        )
+    rows.append(
+        {"measure": "decode, advice on / off", "value": rows[1]["value"] / rows[0]["value"], "unit": "x"}
+    )
+    step_s = args.batch / max(rates["off"])  # the fastest off run's decode step (a batch's token per step)
+    record_s = record_seconds(page_size, args.record_pages)
+    rows.append(
+        {
+            "measure": f"recording one request of {args.record_pages} pages",
+            "value": record_s * 1e6,
+            "unit": "us",
+        }
+    )
+    rows.append({"measure": "decode step, batch of the run", "value": step_s * 1e3, "unit": "ms"})
+    rows.append({"measure": "recording / one decode step", "value": 100 * record_s / step_s, "unit": "%"})
+    start = time.perf_counter()
+    shadow_rates(stream.snapshot(), engine_pages, eviction, page_size)
+    rows.append(
+        {
+            "measure": f"one replay of the stream ({len(stream.snapshot())} requests), in-process",
+            "value": time.perf_counter() - start,
+            "unit": "s",
+        }
+    )
     meta = results.metadata(
         model, batch=args.batch, tokens=args.tokens, interval_s=args.interval,
         stream_requests=args.stream_requests, stream_pages=args.stream_pages,

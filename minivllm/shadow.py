@@ -39,8 +39,12 @@ def trace_of(recorded: Iterable[RecordedRequest]) -> list[TraceRequest]:
     return [TraceRequest(r.hash_ids.tolist(), r.input_length) for r in recorded]
 
 
-def shadow_rates(trace: list[TraceRequest], capacity: int, policy: str, page_size: int) -> list[ShadowRate]:
-    """The advice's replays of a trace for a pool of `capacity` pages whose policy is `policy`."""
+def shadow_rates(
+    recorded: list[RecordedRequest], capacity: int, policy: str, page_size: int
+) -> list[ShadowRate]:
+    """The advice's replays of recorded requests for a pool of `capacity` pages whose policy is `policy`
+    (in the worker: the hashes travel to it as arrays, they become a trace there)."""
+    trace = trace_of(recorded)
     rates = []
     for name in dict.fromkeys((resolve_policy(policy), "lru")):
         for factor in POOL_FACTORS:
@@ -90,9 +94,11 @@ class ShadowReplay:
             recorded = self.stream.recorded
             if recorded == self.replayed:
                 continue
-            trace = trace_of(self.stream.snapshot())
+            recorded_now = self.stream.snapshot()
             try:
-                job = self._workers.submit(shadow_rates, trace, self.capacity, self.policy, self.page_size)
+                job = self._workers.submit(
+                    shadow_rates, recorded_now, self.capacity, self.policy, self.page_size
+                )
                 self.rates = job.result()
             except Exception:  # a broken worker (killed, out of memory) ends the advice, not the server
                 if not self._stop.is_set():

@@ -55,13 +55,14 @@ def test_the_engine_records_each_prompts_full_pages(recorded_traffic):
 
 def test_shadow_rates_equal_minivllm_replay_on_the_same_stream(recorded_traffic, tmp_path, capsys):
     engine, _ = recorded_traffic
-    trace = trace_of(engine.hash_stream.snapshot())
+    recorded = engine.hash_stream.snapshot()
+    trace = trace_of(recorded)
     path = tmp_path / "recorded.jsonl"
     path.write_text(
         "".join(json.dumps({"hash_ids": t.hash_ids, "input_length": t.input_length}) + "\n" for t in trace)
     )
     capacity = 12
-    rates = shadow_rates(trace, capacity, "s3fifo", PAGE)
+    rates = shadow_rates(recorded, capacity, "s3fifo", PAGE)
     expected = [(p, f) for p in ("s3fifo", "lru") for f in POOL_FACTORS] + [(OPTIMUM, 1.0)]
     assert [(r.policy, r.pool_factor) for r in rates] == expected
     for rate in rates:
