@@ -213,7 +213,7 @@ def write_tokenizer(path: Path, tok: Tokenizer, model_max_length: int) -> Tokeni
 def save_random_weights(model, path: Path, scale: float = 4.0) -> None:
     # Wider random weights than the default init, so greedy outputs vary from token to token (with the
     # default init's, scale 1, they fall into loops: what prompt-lookup drafts predict).
-    params = {k: v * scale if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    params = {k: v * scale if v.ndim >= 2 else v for k, v in tree_flatten(model.parameters())}  # 3-D: experts
     mx.save_safetensors(str(path / "model.safetensors"), params)
 
 
