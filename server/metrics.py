@@ -2,7 +2,8 @@
 
 Request-level series (counts, latencies, tokens) are recorded by the server; the engine's counters and
 gauges are read from the engine's `replica_stats()` at scrape time by a custom collector: unlabelled for
-one local engine, one series per replica (label `replica`) behind the Ray Serve router.
+one local engine, one series per model (label `model`) when several are served, one per replica (label
+`replica`) behind the Ray Serve router.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -114,26 +115,40 @@ _SPLIT_COUNTERS = (
 
 class _EngineCollector:
     def __init__(self):
-        self.engine = None  # bound when the engine has started
+        self.engines: dict = {}  # served model id -> engine, bound when the engines have started
 
     def collect(self):
-        by_replica = self.engine.replica_stats() if self.engine is not None else {None: {}}
-        labelled = None not in by_replica
+        labels, rows = self._rows()
         for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
             for name, help_, key in table:
-                if not labelled:
-                    yield family(name, help_, value=by_replica[None].get(key, 0))
+                if not labels:
+                    yield family(name, help_, value=rows[0][1].get(key, 0))
                     continue
-                metric = family(name, help_, labels=["replica"])
-                for replica, stats in sorted(by_replica.items()):
-                    metric.add_metric([replica], stats.get(key, 0))
+                metric = family(name, help_, labels=labels)
+                for values, stats in rows:
+                    metric.add_metric(values, stats.get(key, 0))
                 yield metric
         for name, help_, label, keys in _SPLIT_COUNTERS:
-            metric = CounterMetricFamily(name, help_, labels=(["replica"] if labelled else []) + [label])
-            for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or ""):
+            metric = CounterMetricFamily(name, help_, labels=labels + [label])
+            for values, stats in rows:
                 for value, key in keys.items():
-                    metric.add_metric(([replica] if labelled else []) + [value], stats.get(key, 0))
+                    metric.add_metric(values + [value], stats.get(key, 0))
             yield metric
+
+    def _rows(self) -> tuple[list[str], list[tuple[list[str], dict]]]:
+        """The label names, and each engine's label values and stats: unlabelled for one local engine,
+        `model` when several models are served, `replica` behind the Ray Serve router."""
+        if not self.engines:
+            return [], [([], {})]
+        by_model = {model: engine.replica_stats() for model, engine in self.engines.items()}
+        several, replicas = len(by_model) > 1, any(None not in stats for stats in by_model.values())
+        labels = (["model"] if several else []) + (["replica"] if replicas else [])
+        rows = [
+            (([model] if several else []) + ([replica] if replicas else []), stats)
+            for model, by_replica in by_model.items()
+            for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or "")
+        ]
+        return labels, rows
 
 
 class Metrics:
@@ -160,8 +175,9 @@ class Metrics:
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def bind_engine(self, engine) -> None:
-        self._engine.engine = engine
+    def bind_engines(self, engines: dict) -> None:
+        """The engine of each served model id."""
+        self._engine.engines = engines
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

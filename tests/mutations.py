@@ -606,6 +606,14 @@ MUTATIONS = [
         "computed, ahead = [len(s.token_ids) - 1 for s in seqs], 1",
         ("tests/test_overlap.py",),
     ),
+    Mutation(
+        "model-routing-ignored",
+        "every request goes to the first served model, whatever its `model` says",
+        "server/core.py",
+        "    return states[model]",
+        "    return next(iter(states.values()))",
+        ("tests/test_multi_model.py",),
+    ),
     # -- speculative decoding ------------------------------------------------------------------------------
     Mutation(
         "spec-accepts-every-draft",
