@@ -559,6 +559,14 @@ MUTATIONS = [
         ("tests/test_families.py",),
     ),
     Mutation(
+        "kv-head-dim-from-hidden",
+        "the KV pools' head_dim is hidden_size / heads, not the config's (Qwen3's differs)",
+        RUNNER,
+        '            or getattr(model.args, "head_dim", None)\n',
+        "",
+        ("tests/test_families.py", "-k", "qwen3"),
+    ),
+    Mutation(
         "gemma-window-ignored",
         "Gemma 3's local layers attend to the whole context",
         "minivllm/models/layers.py",

@@ -169,7 +169,7 @@ PHI3_ROPE_DIMS = 24  # partial_rotary_factor 0.75 of head_dim 32
 # each supported family with its distinctive options (tests/test_families.py, benchmarks/families.py)
 FAMILY_OPTIONS = {
     "qwen2": {},
-    "qwen3": {},  # q/k RMSNorms come with the class
+    "qwen3": {"head_dim": 64},  # q/k RMSNorms come with the class; head_dim not hidden / heads, as Qwen3's
     "llama": {"rope_scaling": LLAMA3_ROPE_SCALING, "attention_bias": True},
     "mistral": {"sliding_window": None},
     # Phi-4-mini's options: partial rotary, longrope (long factors; mscale from the context ratio), tied

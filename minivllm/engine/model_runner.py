@@ -43,7 +43,12 @@ class KVGeometry:
     @classmethod
     def of(cls, model: nn.Module, dtype: mx.Dtype) -> "KVGeometry":
         attn = model.model.layers[0].self_attn
-        head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // attn.n_heads
+        # Qwen3's attention modules keep no head_dim, and its head_dim is not hidden_size / heads
+        head_dim = (
+            getattr(attn, "head_dim", None)
+            or getattr(model.args, "head_dim", None)
+            or model.args.hidden_size // attn.n_heads
+        )
         return cls(len(model.model.layers), attn.n_kv_heads, head_dim, dtype)
 
 
