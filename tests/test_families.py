@@ -69,3 +69,27 @@ def test_a_config_the_forward_cannot_run_is_refused_by_name(tmp_path, model_type
     path = make_tiny_family_model(tmp_path / model_type, model_type, **config)
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(str(path), kv_cache_bytes=4 << 20)
+
+
+def test_a_module_the_forward_would_skip_is_refused(tmp_path):
+    """The layout check: every block's submodules exactly the family's, so an extra norm or projection
+    (which the forward would silently skip) stops the load."""
+    import mlx.nn as nn
+    import mlx_lm
+
+    from minivllm.models.families import check_supported
+
+    path = make_tiny_family_model(tmp_path / "qwen3", "qwen3")
+    model, _, config = mlx_lm.load(str(path), return_config=True)
+    check_supported(config, model)
+    model.model.layers[1].pre_feedforward_layernorm = nn.RMSNorm(128)
+    with pytest.raises(ValueError, match="a block with pre_feedforward_layernorm"):
+        check_supported(config, model)
+    del model.model.layers[1].pre_feedforward_layernorm
+    model.model.layers[0].mlp.gate_up_proj = nn.Linear(128, 512)
+    with pytest.raises(ValueError, match="an MLP of down_proj, gate_proj, gate_up_proj, up_proj"):
+        check_supported(config, model)
+    del model.model.layers[0].mlp.gate_up_proj
+    model.model.layers[0].self_attn.q_norm = None
+    with pytest.raises(ValueError, match="an attention module without q_norm"):
+        check_supported(config, model)

@@ -46,8 +46,9 @@ def no_sliding_window(config: dict, model: nn.Module) -> str | None:
     return None
 
 
-def mistral_window(config: dict, model: nn.Module) -> str | None:
-    """Mistral configs set sliding_window alone (no layer_types); below the context it is a real window."""
+def window_below_context(config: dict, model: nn.Module) -> str | None:
+    """Mistral and Phi-3 configs set sliding_window alone (no layer_types), and their mlx-lm modules
+    attend to the whole context; below the context it is a real window."""
     window, context = config.get("sliding_window"), config.get("max_position_embeddings")
     if window is not None and context is not None and window < context:
         return f"sliding-window attention (window {window} < context {context})"
@@ -89,7 +90,7 @@ def layout(attention: set[str], block: set[str], mlps: tuple[set[str], ...]) -> 
             found = [
                 differs("an attention module", attn, attention),
                 differs("a block", block_module, block),
-                None if any(_children(getattr(block_module, "mlp", None)) == m for m in mlps) else "an MLP",
+                mlp_differs(getattr(block_module, "mlp", None), mlps),
             ]
             if absent:
                 return f"an attention module without {', '.join(absent)}"
@@ -111,6 +112,11 @@ def differs(what: str, module: nn.Module | None, expected: set[str]) -> str | No
     parts = [f"with {', '.join(sorted(names - expected))}"] if names - expected else []
     parts += [f"without {', '.join(sorted(expected - names))}"] if expected - names else []
     return f"{what} {' and '.join(parts)}"
+
+
+def mlp_differs(mlp: nn.Module | None, expected: tuple[set[str], ...]) -> str | None:
+    names = _children(mlp)
+    return None if names in expected else f"an MLP of {', '.join(sorted(names)) or 'no submodules'}"
 
 
 def phi3_rope(config: dict, model: nn.Module) -> str | None:
@@ -160,7 +166,7 @@ QWEN3_LAYOUT = layout(ATTENTION | QK_NORMS, BLOCK, (SWIGLU,))
 FAMILIES = {
     "qwen2": Family(LLAMA + (LLAMA_LAYOUT,), fixed(qwen2.ARCHITECTURE)),
     "llama": Family(LLAMA + (LLAMA_LAYOUT,), fixed(qwen2.ARCHITECTURE)),
-    "mistral": Family(LLAMA + (mistral_window, LLAMA_LAYOUT), fixed(qwen2.ARCHITECTURE)),
+    "mistral": Family(LLAMA + (window_below_context, LLAMA_LAYOUT), fixed(qwen2.ARCHITECTURE)),
     "qwen3": Family(LLAMA + (QWEN3_LAYOUT,), fixed(qwen2.ARCHITECTURE)),
     "qwen3_moe": Family(
         SHARED
@@ -170,7 +176,7 @@ FAMILIES = {
     ),
     "phi3": Family(
         SHARED
-        + (phi3_rope, activation, no_experts, mistral_window)
+        + (phi3_rope, activation, no_experts, window_below_context)
         + (layout({"qkv_proj", "o_proj", "rope"}, BLOCK, ({"gate_up_proj", "down_proj"},)),),
         fixed(phi3.ARCHITECTURE),
     ),
