@@ -125,9 +125,16 @@ def write_kv(pool: mx.array, slots: mx.array, values: mx.array) -> None:
 
 
 def paged_attention(
-    queries: mx.array, k_pool: mx.array, v_pool: mx.array, layout: AttentionLayout, scale: float
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    layout: AttentionLayout,
+    scale: float,
+    window: int | None = None,
 ) -> mx.array:
-    """queries: flat [T, n_heads, D] of the new tokens, whose K/V are already in the pools.
+    """queries: flat [T, n_heads, D] of the new tokens, whose K/V are already in the pools. window: a
+    sliding-window layer's, where the query at position p sees the keys of positions p - window + 1 .. p
+    (the pool still holds every position: other layers and the prefix cache need them).
     Returns flat [T, n_heads * D]."""
     outs, t = [], 0
     for seq in layout.seqs:
@@ -136,9 +143,10 @@ def paged_attention(
         keys, values, runs = _context(k_pool, v_pool, seq, layout.page_size)
         for r0 in range(0, seq.num_new, BLOCK):
             r1 = min(seq.num_new, r0 + BLOCK)
-            visible = seq.start + r1  # keys of positions 0 .. visible - 1
-            k, v = _views(keys, runs, visible), _views(values, runs, visible)
-            outs.append(_attend_parallel(q[r0:r1], k, v, scale))
+            visible = seq.start + r1  # keys of positions first .. visible - 1
+            first = 0 if window is None else max(0, seq.start + r0 - window + 1)
+            k, v = _views(keys, runs, first, visible), _views(values, runs, first, visible)
+            outs.append(_attend_parallel(q[r0:r1], k, v, scale, window))
     return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
@@ -157,14 +165,15 @@ def _gather_pages(pool: mx.array, pages: mx.array, page_size: int) -> mx.array:
     return by_page[:, pages].reshape(1, heads, -1, head_dim)
 
 
-def _views(array: mx.array, runs: list[tuple[int, int]], limit: int) -> list[mx.array]:
-    """Slices of array [1, Hkv, N, D] holding the context's first `limit` positions."""
-    out = []
-    for first, n in runs:
-        n = min(n, limit)
-        out.append(array[:, :, first : first + n])
-        limit -= n
-        if limit == 0:
+def _views(array: mx.array, runs: list[tuple[int, int]], first: int, limit: int) -> list[mx.array]:
+    """Slices of array [1, Hkv, N, D] holding the context's positions first .. limit - 1."""
+    out, position = [], 0  # position: the context position of the run's first slot
+    for slot, n in runs:
+        lo, hi = max(first, position), min(limit, position + n)
+        if lo < hi:
+            out.append(array[:, :, slot + lo - position : slot + hi - position])
+        position += n
+        if position >= limit:
             break
     return out
 
@@ -183,7 +192,9 @@ def cpu_streams() -> list:
 _extra_streams: list | None = None
 
 
-def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:
+def _attend_parallel(
+    q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float, window: int | None = None
+) -> mx.array:
     """_attend, split by KV heads over the CPU's cores when there are many scores. On the CPU backend
     element-wise work (the softmax's exp above all, ~11 ns an element) runs on one thread per stream;
     the heads are independent, so their groups run side by side and the results are the same."""
@@ -193,19 +204,21 @@ def _attend_parallel(q: mx.array, keys: list[mx.array], values: list[mx.array], 
     scores = L * H * sum(k.shape[2] for k in keys)
     # the split exists for MLX's one-thread exp: a softmax on numpy is faster alone
     if len(streams) < 2 or scores < PARALLEL_MIN_SCORES or _prefill_on_numpy(q.dtype, L, H, keys):
-        return _attend(q, keys, values, scale)
+        return _attend(q, keys, values, scale, window)
     rep, outs = H // heads_kv, []
     for g, stream in enumerate(streams):
         h0, h1 = g * heads_kv // len(streams), (g + 1) * heads_kv // len(streams)
         with mx.stream(stream):
             k, v = [x[:, h0:h1] for x in keys], [x[:, h0:h1] for x in values]
-            outs.append(_attend(q[:, h0 * rep : h1 * rep], k, v, scale).reshape(L, -1, D))
+            outs.append(_attend(q[:, h0 * rep : h1 * rep], k, v, scale, window).reshape(L, -1, D))
     return mx.concatenate(outs, axis=1).reshape(L, H * D)
 
 
-def _attend(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float) -> mx.array:
+def _attend(
+    q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float, window: int | None = None
+) -> mx.array:
     """q: [L, H, D], the last L positions of the context; keys/values: the context in order, as pieces
-    [1, Hkv, S_i, D]. Causal attention; returns [L, H * D]."""
+    [1, Hkv, S_i, D]. Causal attention (within `window` positions, when given); returns [L, H * D]."""
     L, H, D = q.shape
     heads_kv = keys[0].shape[1]
     if L == 1:  # one query sees every key: stack the query heads sharing a KV head as rows
@@ -216,11 +229,10 @@ def _attend(q: mx.array, keys: list[mx.array], values: list[mx.array], scale: fl
     # MLX's attention, without a host round trip per layer
     numpy_softmax = causal and _prefill_on_numpy(q.dtype, L, H, keys)
     if len(keys) == 1 and not numpy_softmax:
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys[0], values[0], scale=scale, mask="causal" if causal else None
-        )
+        mask = _causal_mask(L, keys[0].shape[2], window) if causal else None
+        out = mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask=mask)
     else:
-        out = _attend_runs(q, keys, values, scale, causal, numpy_softmax)
+        out = _attend_runs(q, keys, values, scale, causal, window, numpy_softmax)
     if L == 1:
         return out.reshape(1, H * D)
     return out[0].transpose(1, 0, 2).reshape(L, H * D)
@@ -230,7 +242,21 @@ def _prefill_on_numpy(dtype: mx.Dtype, L: int, H: int, keys: list[mx.array]) -> 
     return L > 1 and on_numpy(dtype, L * H * sum(k.shape[2] for k in keys))
 
 
-def _attend_runs(q, keys, values, scale, causal, numpy_softmax=False) -> mx.array:
+def _visible(L: int, S: int, window: int | None) -> mx.array:
+    """[L, S]: which keys each of L queries (the last L of S context positions) sees: those up to its
+    own position and, in a sliding window, only the last `window` of them."""
+    queries, keys = mx.arange(S - L, S)[:, None], mx.arange(S)[None]
+    visible = keys <= queries
+    return visible if window is None else visible & (keys > queries - window)
+
+
+def _causal_mask(L: int, S: int, window: int | None) -> mx.array | str:
+    """The context starts at the first query's window, so a window cuts only when S > window; MLX's own
+    "causal" mask where none does."""
+    return "causal" if window is None or S <= window else _visible(L, S, window)
+
+
+def _attend_runs(q, keys, values, scale, causal, window=None, numpy_softmax=False) -> mx.array:
     """Attention over a context split into pieces, without joining them: like MLX's unfused
     scaled_dot_product_attention (scale, scores, mask, precise softmax, values) with the scores of all
     pieces concatenated before the softmax and the values' products summed piece by piece."""
@@ -240,8 +266,7 @@ def _attend_runs(q, keys, values, scale, causal, numpy_softmax=False) -> mx.arra
     parts = [q @ k[:, :, None].swapaxes(-1, -2) for k in keys]
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     if causal:
-        S = scores.shape[-1]
-        visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
+        visible = _visible(L, scores.shape[-1], window)
         scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     probs = softmax_numpy(scores) if numpy_softmax else mx.softmax(scores, axis=-1, precise=True)
     out, offset = None, 0

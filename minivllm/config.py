@@ -1,5 +1,6 @@
 """Engine settings, validated once."""
 
+import os
 from dataclasses import dataclass
 
 EVICTION_POLICIES = ("adaptive", "s3fifo", "lru", "fifo")  # minivllm.cache.eviction.POLICIES
@@ -66,6 +67,12 @@ class EngineConfig:
             self.enable_prefix_caching or self.single_flight == "off",
             "single_flight needs the prefix cache (followers restore the leader's pages); set it to 'off'",
         )
+
+
+def default_kv_cache_bytes(fraction: float) -> int:
+    """The KV pool budget when kv_cache_bytes is unset: `fraction` of physical memory, at most 2 GiB."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(int(total * fraction), 2 << 30)
 
 
 def _check(ok: bool, message: str) -> None:

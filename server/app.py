@@ -1,7 +1,8 @@
 """The HTTP server (OpenAI's chat and completions APIs, Anthropic's Messages API): `uvicorn server.app:app`
 (settings from MINIVLLM_* variables).
 
-The model loads once, in the lifespan; the engine's stepping thread starts there and stops on shutdown.
+The models load once, in the lifespan, an engine each (MINIVLLM_MODEL's list); each engine's stepping
+thread starts there and stops on shutdown. A request's `model` picks the engine (server.core.state_for).
 The same app is the Ray Serve ingress of `minivllm serve --replicas N`, given a client of the replicas.
 """
 
@@ -16,7 +17,7 @@ from minivllm.engine.async_engine import AsyncEngine
 from minivllm.shadow import ShadowReplay
 from server import chat, completions, messages, responses, web
 from server import protocol as p
-from server.core import ServerState
+from server.core import ServerState, state_for
 from server.engine_client import EngineClient
 from server.errors import error_response, install_error_handlers
 from server.gateway import GatewayMiddleware
@@ -39,28 +40,33 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         nonlocal settings
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
-        eng = engine or await asyncio.to_thread(AsyncEngine, settings.engine_config())
-        owned = isinstance(eng, AsyncEngine) and not eng.is_running
-        if owned:
+        engines = await _engines(settings, engine)
+        owned = [e for e in engines.values() if isinstance(e, AsyncEngine) and not e.is_running]
+        for eng in owned:
             eng.start()
-        shadow = _cache_advice(settings, eng)
-        metrics.bind_engine(eng, shadow)
-        app.state.server = _state(settings, eng, metrics, shadow)
-        logger.info("serving %s (max_model_len %d)", app.state.server.model_name, eng.max_model_len)
+        shadows = {name: shadow for name, eng in engines.items() if (shadow := _cache_advice(settings, eng))}
+        metrics.bind_engines(engines, shadows)
+        app.state.models = {
+            name: _state(settings, eng, metrics, name, shadows.get(name)) for name, eng in engines.items()
+        }
+        app.state.server = next(iter(app.state.models.values()))  # the first model: health, web page
+        for name, eng in engines.items():
+            logger.info("serving %s (max_model_len %d)", name, eng.max_model_len)
         reason = f"server shutting down (open past MINIVLLM_SHUTDOWN_TIMEOUT={settings.shutdown_timeout:g} s)"
         undo = limit_shutdown(
             asyncio.get_running_loop(),
-            lambda: app.state.server.end_streams(reason),
+            lambda: sum(st.end_streams(reason) for st in app.state.models.values()),
             settings.shutdown_timeout,
         )
         try:
             yield
         finally:
             undo()
-            app.state.server.prompts.close()
-            if shadow is not None:
+            for st in app.state.models.values():
+                st.prompts.close()
+            for shadow in shadows.values():
                 shadow.close()
-            if owned:
+            for eng in owned:
                 eng.shutdown()  # on the loop thread: it ends the open streams (asyncio queues are not thread-safe)
 
     # no /docs or /redoc: their pages load scripts from a CDN (this server works offline); /openapi.json stays
@@ -86,8 +92,20 @@ def _cache_advice(settings: Settings, engine: EngineClient) -> ShadowReplay | No
     return shadow
 
 
+async def _engines(settings: Settings, engine: EngineClient | None) -> dict[str, EngineClient]:
+    """The engine of each served model id: the given one, or one local AsyncEngine per model (loaded one
+    after the other, each with its share of the KV budget: Settings.engine_configs)."""
+    if engine is not None:
+        return {settings.served_model_name: engine}
+    configs = settings.engine_configs()
+    return {
+        name: await asyncio.to_thread(AsyncEngine, config)
+        for name, config in zip(settings.served_model_names, configs)
+    }
+
+
 def _state(
-    settings: Settings, engine: EngineClient, metrics: Metrics, shadow: ShadowReplay | None = None
+    settings: Settings, engine: EngineClient, metrics: Metrics, model_name: str, shadow: ShadowReplay | None
 ) -> ServerState:
     tokenizer = engine.tokenizer
     prompts = PromptBuilder(tokenizer, engine.max_model_len)
@@ -95,7 +113,7 @@ def _state(
         settings,
         engine,
         metrics,
-        settings.served_model_name,
+        model_name,
         tokenizer.token_text,
         prompts,
         tokenizer.special_token_ids,
@@ -115,9 +133,10 @@ router = APIRouter()  # the routes every server has; each protocol module has it
 
 @router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
+    stopped = [name for name, st in request.app.state.models.items() if not st.engine.is_running]
+    if stopped:
+        return error_response(503, f"engine is not running ({', '.join(stopped)})")
     engine = request.app.state.server.engine
-    if not engine.is_running:
-        return error_response(503, "engine is not running")
     replicas = sorted(name for name in engine.replica_stats() if name is not None)
     return {"status": "ok", "replicas": replicas} if replicas else {"status": "ok"}
 
@@ -130,14 +149,15 @@ async def metrics_endpoint(request: Request):
 
 @router.get("/v1/models")
 async def models(request: Request) -> p.ModelList:
-    st: ServerState = request.app.state.server
-    return p.ModelList(data=[p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)])
+    states: dict[str, ServerState] = request.app.state.models
+    return p.ModelList(
+        data=[p.ModelCard(id=st.model_name, max_model_len=st.max_model_len) for st in states.values()]
+    )
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> p.ModelCard:
-    st: ServerState = request.app.state.server
-    st.check_model(model_id)
+    st = state_for(request, model_id)
     return p.ModelCard(id=st.model_name, max_model_len=st.max_model_len)
 
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
-from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, ServerState, generate, protocol_names, state_for, until_disconnect
 from server.generation import Delta
 from server.structured import chat_output
 from server.tools import ToolCalling, ToolCallStream, call_deltas
@@ -19,8 +19,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-    st: ServerState = request.app.state.server
-    st.check_model(body.model)
+    st = state_for(request, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens
     tools = ToolCalling.of(body, st.engine.tokenizer)
     structured = chat_output(body, tools)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 
 from minivllm.engine.sequence import TokenLogprob
 from server import protocol as p
-from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, generate, protocol_names, state_for, until_disconnect
 from server.errors import APIError
 from server.generation import Delta
 from server.prompts import FimTokens
@@ -17,8 +17,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: p.CompletionRequest, request: Request):
-    st: ServerState = request.app.state.server
-    st.check_model(body.model)
+    st = state_for(request, body.model)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo")
     with protocol_names({}):

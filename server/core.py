@@ -55,14 +55,19 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+
+def state_for(request: Request, model: str) -> ServerState:
+    """The served model a request's `model` names; 404 (naming the served ids) for any other."""
+    states: dict[str, ServerState] = request.app.state.models
+    if model not in states:
+        served = ", ".join(f"`{name}`" for name in states)
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves {served}.",
+            param="model",
+            code="model_not_found",
+        )
+    return states[model]
 
 
 # -- sampling ---------------------------------------------------------------------------------------------

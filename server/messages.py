@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
 from server import anthropic_protocol as a
 from server import protocol as p
-from server.core import ServerState, protocol_names, run, until_disconnect
+from server.core import ServerState, protocol_names, run, state_for, until_disconnect
 from server.errors import APIError, anthropic_error_body
 from server.generation import Delta, TokenUsage
 from server.structured import output_grammar
@@ -29,8 +29,7 @@ CHOICES = {"any": "required", "auto": "auto", "none": "none"}  # Anthropic's too
 
 @router.post("/v1/messages")
 async def messages(body: a.MessagesRequest, request: Request):
-    st: ServerState = request.app.state.server
-    st.check_model(body.model)
+    st = state_for(request, body.model)
     tools = tool_calling(body, st.engine.tokenizer)
     structured = output(body, tools)
     forced = tools is not None and tools.forced
@@ -55,8 +54,7 @@ async def messages(body: a.MessagesRequest, request: Request):
 async def count_tokens(body: a.CountTokensRequest, request: Request) -> a.TokenCount:
     """The prompt's tokens, as /v1/messages would template them: what its usage's input_tokens,
     cache_read_input_tokens and cache_creation_input_tokens add up to."""
-    st: ServerState = request.app.state.server
-    st.check_model(body.model)
+    st = state_for(request, body.model)
     tools = tool_calling(body, st.engine.tokenizer)
     output(body, tools)  # refused here as there
     with protocol_names({"prompt": "messages"}):

@@ -2,7 +2,8 @@
 
 Request-level series (counts, latencies, tokens) are recorded by the server; the engine's counters and
 gauges are read from the engine's `replica_stats()` at scrape time by a custom collector: unlabelled for
-one local engine, one series per replica (label `replica`) behind the Ray Serve router.
+one local engine, one series per model (label `model`) when several are served, one per replica (label
+`replica`) behind the Ray Serve router.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -114,37 +115,54 @@ _SPLIT_COUNTERS = (
 
 class _EngineCollector:
     def __init__(self):
-        self.engine = None  # bound when the engine has started
-        self.shadow = None  # the cache advice (minivllm.shadow.ShadowReplay), when it runs
+        self.engines: dict = {}  # served model id -> engine, bound when the engines have started
+        self.shadows: dict = {}  # served model id -> its cache advice (minivllm.shadow), where it runs
 
     def collect(self):
-        by_replica = self.engine.replica_stats() if self.engine is not None else {None: {}}
-        labelled = None not in by_replica
+        labels, rows = self._rows()
         for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
             for name, help_, key in table:
-                if not labelled:
-                    yield family(name, help_, value=by_replica[None].get(key, 0))
+                if not labels:
+                    yield family(name, help_, value=rows[0][1].get(key, 0))
                     continue
-                metric = family(name, help_, labels=["replica"])
-                for replica, stats in sorted(by_replica.items()):
-                    metric.add_metric([replica], stats.get(key, 0))
+                metric = family(name, help_, labels=labels)
+                for values, stats in rows:
+                    metric.add_metric(values, stats.get(key, 0))
                 yield metric
         for name, help_, label, keys in _SPLIT_COUNTERS:
-            metric = CounterMetricFamily(name, help_, labels=(["replica"] if labelled else []) + [label])
-            for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or ""):
+            metric = CounterMetricFamily(name, help_, labels=labels + [label])
+            for values, stats in rows:
                 for value, key in keys.items():
-                    metric.add_metric(([replica] if labelled else []) + [value], stats.get(key, 0))
+                    metric.add_metric(values + [value], stats.get(key, 0))
             yield metric
-        if self.shadow is not None and self.shadow.rates:
+        if any(shadow.rates for shadow in self.shadows.values()):
+            several = len(self.engines) > 1
             metric = GaugeMetricFamily(
                 "minivllm_cache_shadow_hit_rate",
                 "Prompt-token hit rate of the recent requests replayed with this policy and pool size "
                 "(times the pool's pages); belady-prefix is the best possible",
-                labels=["policy", "pool_factor"],
+                labels=(["model"] if several else []) + ["policy", "pool_factor"],
             )
-            for rate in self.shadow.rates:
-                metric.add_metric([rate.policy, f"{rate.pool_factor:g}"], rate.hit_rate)
+            for model, shadow in self.shadows.items():
+                for rate in shadow.rates:
+                    labels = [rate.policy, f"{rate.pool_factor:g}"]
+                    metric.add_metric(([model] if several else []) + labels, rate.hit_rate)
             yield metric
+
+    def _rows(self) -> tuple[list[str], list[tuple[list[str], dict]]]:
+        """The label names, and each engine's label values and stats: unlabelled for one local engine,
+        `model` when several models are served, `replica` behind the Ray Serve router."""
+        if not self.engines:
+            return [], [([], {})]
+        by_model = {model: engine.replica_stats() for model, engine in self.engines.items()}
+        several, replicas = len(by_model) > 1, any(None not in stats for stats in by_model.values())
+        labels = (["model"] if several else []) + (["replica"] if replicas else [])
+        rows = [
+            (([model] if several else []) + ([replica] if replicas else []), stats)
+            for model, by_replica in by_model.items()
+            for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or "")
+        ]
+        return labels, rows
 
 
 class Metrics:
@@ -171,9 +189,10 @@ class Metrics:
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def bind_engine(self, engine, shadow=None) -> None:
-        self._engine.engine = engine
-        self._engine.shadow = shadow
+    def bind_engines(self, engines: dict, shadows: dict | None = None) -> None:
+        """The engine of each served model id, and the cache advice of those that have one."""
+        self._engine.engines = engines
+        self._engine.shadows = shadows or {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

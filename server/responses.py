@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 
 from server import protocol as p
-from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
+from server.core import OpenAIEvents, generate, protocol_names, state_for, until_disconnect
 from server.errors import APIError
 from server.generation import Delta, Generation
 from server.responses_protocol import (
@@ -40,8 +40,7 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
-    st: ServerState = request.app.state.server
-    st.check_model(body.model)
+    st = state_for(request, body.model)
     calling = tool_calling(body, st.engine.tokenizer)
     text_format = body.text_format
     structured = format_grammar(text_format and text_format.response_format(), calling, "text.format")

@@ -38,6 +38,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     if args.replicas is not None and args.replicas < 1:
         print("minivllm serve: error: --replicas must be >= 1", file=sys.stderr)
         return 2
+    if args.replicas is not None and len(settings.models) > 1:
+        print("minivllm serve: error: --replicas serves one model", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -7,7 +7,7 @@
 import argparse
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields, make_dataclass
+from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 
 from minivllm.config import (
     EVICTION_POLICIES,
@@ -15,6 +15,7 @@ from minivllm.config import (
     SINGLE_FLIGHT_MODES,
     SPECULATIVE_MODES,
     EngineConfig,
+    default_kv_cache_bytes,
 )
 
 DEFAULT_MODEL_NAME = "qwen2.5-coder-0.5b-instruct"
@@ -109,7 +110,8 @@ OPTIONS: tuple[Option, ...] = (
         "MINIVLLM_MODEL",
         str | None,
         str.strip,
-        "model directory, .gguf file or Hugging Face repo id (default: the offline default model)",
+        "model directory, .gguf file or Hugging Face repo id; several comma-separated (the flag repeated) "
+        "serve side by side, an engine and KV pool each (default: the offline default model)",
     ),
     Option(
         "model_name",
@@ -117,7 +119,8 @@ OPTIONS: tuple[Option, ...] = (
         str | None,
         str.strip,
         None,
-        f"served model id (default: the model's basename, or {DEFAULT_MODEL_NAME} for the default model)",
+        "served model id, one per model, comma-separated (default: each model's basename, or "
+        f"{DEFAULT_MODEL_NAME} for the default model)",
     ),
     _engine("page_size", "MINIVLLM_PAGE_SIZE", int, _parse_int, "tokens per KV page"),
     _engine(
@@ -295,7 +298,12 @@ class Settings(_SettingsFields):
     def validated(self) -> "Settings":
         if self.max_request_bytes < 1:
             raise SettingsError(f"MINIVLLM_MAX_REQUEST_BYTES: must be >= 1, got {self.max_request_bytes}")
-        self.engine_config()
+        names = self.served_model_names
+        if len(names) != len(self.models):
+            raise SettingsError(f"MINIVLLM_MODEL_NAME: {len(names)} names for {len(self.models)} models")
+        if len(set(names)) != len(names) or not all(names):
+            raise SettingsError(f"MINIVLLM_MODEL_NAME: served model ids must be distinct, got {list(names)}")
+        self.engine_configs()
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -308,6 +316,42 @@ class Settings(_SettingsFields):
         except ValueError as e:
             raise SettingsError(f"{_option_named_in(str(e))}: {e}") from None
 
+    def engine_configs(self) -> list[EngineConfig]:
+        """One EngineConfig per model. Several models split the KV budget equally (MINIVLLM_KV_CACHE_BYTES,
+        or by default 10% of memory, at most 2 GiB, in all) and the disk tier's too, each model's pages in
+        a subdirectory of MINIVLLM_KV_DISK_DIR named by its served id."""
+        base, n = self.engine_config(), len(self.models)
+        if n == 1:
+            return [base]
+        budget = base.kv_cache_bytes or default_kv_cache_bytes(base.kv_cache_fraction)
+        configs = []
+        for model, name in zip(self.models, self.served_model_names):
+            disk = os.path.join(base.kv_disk_dir, name) if base.kv_disk_dir else None
+            disk_bytes = base.kv_disk_bytes // n if base.kv_disk_bytes else None
+            configs.append(
+                replace(
+                    base, model=model, kv_cache_bytes=budget // n, kv_disk_dir=disk, kv_disk_bytes=disk_bytes
+                )
+            )
+        return configs
+
+    @property
+    def models(self) -> tuple[str | None, ...]:
+        """The model references, one engine each (MINIVLLM_MODEL's comma-separated list)."""
+        if self.model is None:
+            return (None,)
+        models = tuple(m.strip() for m in self.model.split(","))
+        if not all(models):
+            raise SettingsError(f"MINIVLLM_MODEL: an empty entry in {self.model!r}")
+        return models
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The id each model is served as, in the order of `models`."""
+        if self.model_name:
+            return tuple(n.strip() for n in self.model_name.split(","))
+        return tuple(_served_name(m) for m in self.models)
+
     @property
     def accepted_keys(self) -> tuple[str, ...]:
         """Every key a /v1 request may carry (none: no auth)."""
@@ -315,15 +359,18 @@ class Settings(_SettingsFields):
 
     @property
     def served_model_name(self) -> str:
-        if self.model_name:
-            return self.model_name
-        if self.model is None or self.model == "default":
-            return DEFAULT_MODEL_NAME
-        base = os.path.basename(self.model.rstrip("/"))
-        return base.removesuffix(".gguf") or self.model
+        """The first model's id (the only one, unless several are served)."""
+        return self.served_model_names[0]
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _served_name(model: str | None) -> str:
+    if model is None or model == "default":
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(model.rstrip("/"))
+    return base.removesuffix(".gguf") or model
 
 
 def _parse(option: Option, raw: str | None, source: str):
@@ -345,13 +392,23 @@ def _option_named_in(message: str) -> str:
 
 
 # -- the CLI, from the same table ------------------------------------------------------------------------
+REPEATABLE = ("model", "model_name")  # flags given once per model
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add one flag per setting (e.g. --page-size); unset flags fall back to the environment, then defaults."""
     group = parser.add_argument_group("engine and server settings")
     for o in OPTIONS:
         default = "" if o.default is None else f"; default {o.default}"
+        # several models: the flag repeated (joined with commas, as in the environment variable)
+        action = "append" if o.name in REPEATABLE else "store"
         group.add_argument(
-            o.flag, dest=o.name, default=None, metavar=o.name.upper(), help=f"{o.help} [env {o.env}{default}]"
+            o.flag,
+            dest=o.name,
+            default=None,
+            action=action,
+            metavar=o.name.upper(),
+            help=f"{o.help} [env {o.env}{default}]",
         )
     return parser
 
@@ -359,6 +416,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
     """Flags override environment variables, which override defaults. Errors name the flag or variable."""
     raws = {o.name: getattr(args, o.name) for o in OPTIONS if getattr(args, o.name, None) is not None}
+    raws = {name: ",".join(raw) if name in REPEATABLE else raw for name, raw in raws.items()}
     return _override(Settings.from_env(environ), raws, lambda o: o.flag)
 
 

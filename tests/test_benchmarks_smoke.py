@@ -310,3 +310,15 @@ def test_replay_tiers_writes_both_tables(tmp_path):
     assert len(tiers["rows"]) == 2 * 6 and len(design["rows"]) == 2 * 4 * 4
     no_disk = [row for row in tiers["rows"] if row["disk blocks"] == 0]
     assert all(row["from disk"] == "0.0000" and row["blocks written"] == 0 for row in no_disk)
+
+
+def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
+    from benchmarks import families
+
+    args = ["--quick", "--families", "phi3,gemma3_text", "--out", str(tmp_path), "--allow-dirty"]
+    families.main(args)
+    (path,) = tmp_path.glob("families-quick*.json")
+    data = json.loads(path.read_text())
+    assert [r["family"] for r in data["rows"]] == ["phi3", "gemma3_text"]
+    rates = [v for phases in data["raw"].values() for cells in phases.values() for v in cells.values()]
+    assert len(rates) == 2 * 3 * 2 and all(len(r) == 1 and r[0] > 0 for r in rates)

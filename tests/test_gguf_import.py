@@ -29,6 +29,7 @@ from minivllm.models.gguf_import import (
 # Rows of 256 (and 512) so that K-quant super-blocks fit every matrix.
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 320
 HEAD_DIM = HIDDEN // HEADS
+QWEN3_HEAD_DIM = 2 * HEAD_DIM  # like Qwen3's own: not hidden / heads, so the config must carry it
 Q = GGMLQuantizationType
 # The GGUF type of each matrix (the rest F32); "Q6_K=" is Q6_K whose paired 16-wide sub-blocks share a scale.
 TYPES = {
@@ -93,19 +94,23 @@ def hf_weights(arch: str, seed: int = 0) -> dict[str, np.ndarray]:
 
     w = {"model.embed_tokens.weight": rand(VOCAB, HIDDEN), "lm_head.weight": rand(VOCAB, HIDDEN)}
     w["model.norm.weight"] = 1 + rand(HIDDEN) * 0.1
+    head_dim = QWEN3_HEAD_DIM if arch == "qwen3" else HEAD_DIM
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         w |= {
-            p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+            p + "self_attn.q_proj.weight": rand(HEADS * head_dim, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * head_dim),
             p + "mlp.gate_proj.weight": rand(FFN, HIDDEN),
             p + "mlp.up_proj.weight": rand(FFN, HIDDEN),
             p + "mlp.down_proj.weight": rand(HIDDEN, FFN),
             p + "input_layernorm.weight": 1 + rand(HIDDEN) * 0.1,
             p + "post_attention_layernorm.weight": 1 + rand(HIDDEN) * 0.1,
         }
+        if arch == "qwen3":  # per-head RMSNorms of queries and keys
+            w[p + "self_attn.q_norm.weight"] = 1 + rand(head_dim) * 0.1
+            w[p + "self_attn.k_norm.weight"] = 1 + rand(head_dim) * 0.1
         if arch == "qwen2":
             for proj in "qkv":
                 w[p + f"self_attn.{proj}_proj.bias"] = rand(w[p + f"self_attn.{proj}_proj.weight"].shape[0])
@@ -124,6 +129,8 @@ GGUF_BLOCK = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -163,6 +170,9 @@ def write_tiny_gguf(
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
+    if arch == "qwen3":
+        writer.add_key_length(QWEN3_HEAD_DIM)
+        writer.add_value_length(QWEN3_HEAD_DIM)
     tokens, types = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
@@ -395,6 +405,31 @@ def test_llama_import_unpermutes_qk(tmp_path):
     out_dir = convert_gguf(tmp_path / "llama.gguf", tmp_path / "q8", uniform=UniformQuantization(8, 32))
     assert json.loads((out_dir / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 8}
     check_roundtrip(out_dir, expected, bits=8, group_size=32)
+
+
+def test_qwen3_import_keeps_qk_norms_and_answers_mlx_lms_tokens(tmp_path):
+    """A qwen3 GGUF (per-head q/k norms, head_dim other than hidden / heads, no Q/K permutation): every
+    tensor transcoded as for qwen2, and minivllm's greedy tokens on it are mlx-lm's."""
+    from minivllm import LLM, SamplingParams
+    from tests.reference import MlxLmReference
+
+    expected = write_tiny_gguf(tmp_path / "qwen3.gguf", arch="qwen3")
+    assert "model.layers.1.self_attn.k_norm.weight" in expected
+    out_dir = convert_gguf(tmp_path / "qwen3.gguf", tmp_path / "model")
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert (cfg["model_type"], cfg["architectures"], cfg["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 128)
+    check_transcoded(out_dir, expected)
+    prompt = list(range(40, 80))
+    out = LLM(str(out_dir), kv_cache_bytes=4 << 20).generate(
+        prompt, SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    assert out[0].token_ids == MlxLmReference(out_dir).greedy(prompt, 8)
+
+
+def test_qk_norms_outside_qwen3_are_refused(tmp_path):
+    write_tiny_gguf(tmp_path / "qwen2.gguf", extra="blk.0.attn_q_norm.weight")
+    with pytest.raises(GGUFError, match="unexpected tensor.*attn_q_norm"):
+        convert_gguf(tmp_path / "qwen2.gguf", tmp_path / "model")
 
 
 @pytest.mark.parametrize("scale_dtype", ["float16", "float32"])

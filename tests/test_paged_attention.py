@@ -13,8 +13,9 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 8, 4
 NUM_PAGES = 400
 
 
-def reference(queries, k_pool, v_pool, tables, starts, num_new, scale):
-    """Plain causal attention per sequence over its context gathered slot by slot, in float64."""
+def reference(queries, k_pool, v_pool, tables, starts, num_new, scale, window=None):
+    """Plain causal attention per sequence over its context gathered slot by slot, in float64; window:
+    each query sees only the keys of its last `window` positions."""
     q = np.asarray(queries, dtype=np.float64)
     k_pool, v_pool = np.asarray(k_pool, np.float64), np.asarray(v_pool, np.float64)
     rep, out, t = HEADS // KV_HEADS, [], 0
@@ -26,7 +27,10 @@ def reference(queries, k_pool, v_pool, tables, starts, num_new, scale):
         v = np.repeat(v_pool[:, slots], rep, axis=0)
         qs = q[t : t + n].transpose(1, 0, 2) * scale  # [H, n, D]
         scores = qs @ k.transpose(0, 2, 1)
-        scores[:, pos[None, :] > (start + np.arange(n))[:, None]] = -np.inf
+        query_pos = (start + np.arange(n))[:, None]
+        scores[:, pos[None, :] > query_pos] = -np.inf
+        if window is not None:
+            scores[:, pos[None, :] <= query_pos - window] = -np.inf
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out.append((probs @ v).transpose(1, 0, 2).reshape(n, -1))
@@ -34,14 +38,14 @@ def reference(queries, k_pool, v_pool, tables, starts, num_new, scale):
     return np.concatenate(out)
 
 
-def run(tables, starts, num_new, seed=0):
+def run(tables, starts, num_new, seed=0, window=None):
     rng = np.random.default_rng(seed)
     k_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
     v_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
     queries = mx.array(rng.standard_normal((sum(num_new), HEADS, HEAD_DIM)).astype(np.float32))
     layout = pa.build_layout(tables, starts, num_new, PAGE)
-    out = pa.paged_attention(queries, k_pool, v_pool, layout, HEAD_DIM**-0.5)
-    expected = reference(queries, k_pool, v_pool, tables, starts, num_new, HEAD_DIM**-0.5)
+    out = pa.paged_attention(queries, k_pool, v_pool, layout, HEAD_DIM**-0.5, window)
+    expected = reference(queries, k_pool, v_pool, tables, starts, num_new, HEAD_DIM**-0.5, window)
     return np.asarray(out), expected, layout
 
 
@@ -66,19 +70,22 @@ def test_page_runs():
             [100, 17, 0],
             [1, 5, 9],
         ),
+        ([[3, 4, 9, 10, 20, 21, 22, 40] + contiguous(60, 10)], [30], [20]),  # a window over several runs
         ([contiguous(1, 40)[::-1]], [120], [35]),  # every page its own run: gathered
         ([list(range(0, 160, 2))], [317], [1]),  # decode over 80 one-page runs: gathered
     ],
 )
 @pytest.mark.parametrize("split", ["never", "always"])
 @pytest.mark.parametrize("softmax", ["mlx", "numpy"])
-def test_matches_dense_attention(tables, starts, num_new, split, softmax, monkeypatch):
+@pytest.mark.parametrize("window", [None, 37])
+def test_matches_dense_attention(tables, starts, num_new, split, softmax, window, monkeypatch):
     # split: attention divided by KV heads over the CPU streams (one per core) or kept whole;
     # softmax: MLX's attention everywhere, or every prefill block's softmax through numpy (as large
-    # ones on the CPU; decode keeps MLX's attention either way)
+    # ones on the CPU; decode keeps MLX's attention either way); window: a sliding-window layer's
+    # (shorter than the contexts, and not a multiple of the page size: it starts mid-page and mid-run)
     monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
     monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0 if softmax == "numpy" else 1 << 62)
-    out, expected, layout = run(tables, starts, num_new)
+    out, expected, layout = run(tables, starts, num_new, window=window)
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
 

@@ -381,7 +381,7 @@ def test_the_settings_and_the_metrics():
             return {None: {"spec_draft_tokens": 7, "spec_accepted_tokens": 5}}
 
     metrics = Metrics()
-    metrics.bind_engine(Engine())
+    metrics.bind_engines({"tiny": Engine()})
     text = metrics.render().decode()
     assert "minivllm_spec_draft_tokens_total 7.0" in text
     assert "minivllm_spec_accepted_tokens_total 5.0" in text

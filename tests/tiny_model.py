@@ -171,6 +171,47 @@ TINY_FAMILY_CONFIG = {
 }
 
 
+PHI3_ROPE_DIMS = 24  # partial_rotary_factor 0.75 of head_dim 32
+# each supported family with its distinctive options (tests/test_families.py, benchmarks/families.py)
+FAMILY_OPTIONS = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 64},  # q/k RMSNorms come with the class; head_dim not hidden / heads, as Qwen3's
+    "llama": {"rope_scaling": LLAMA3_ROPE_SCALING, "attention_bias": True},
+    "mistral": {"sliding_window": None},
+    # Phi-4-mini's options: partial rotary, longrope (long factors; mscale from the context ratio), tied
+    "phi3": {
+        "partial_rotary_factor": 0.75,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0 + i / 4 for i in range(PHI3_ROPE_DIMS // 2)],
+            "short_factor": [1.0] * (PHI3_ROPE_DIMS // 2),
+        },
+        "original_max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+    },
+    # a local and a global layer; the window (40, mid-page) well inside the long prompt; its own rope
+    # base for local layers, linear scaling for global ones, a query scale other than head_dim's
+    "gemma3_text": {
+        "sliding_window": 40,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 1000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "query_pre_attn_scalar": 24,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+    # experts in layers 0 and 2, a dense MLP in layer 1
+    "qwen3_moe": {
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+    },
+}
+
+
 def make_tiny_family_model(
     path: str | Path, model_type: str, *, seed: int = 0, vocab_size: int = 362, **config
 ):
@@ -221,7 +262,7 @@ def write_tokenizer(
 def save_random_weights(model, path: Path, scale: float = 4.0) -> None:
     # Wider random weights than the default init, so greedy outputs vary from token to token (with the
     # default init's, scale 1, they fall into loops: what prompt-lookup drafts predict).
-    params = {k: v * scale if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    params = {k: v * scale if v.ndim >= 2 else v for k, v in tree_flatten(model.parameters())}  # 3-D: experts
     mx.save_safetensors(str(path / "model.safetensors"), params)
 
 

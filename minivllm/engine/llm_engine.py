@@ -6,7 +6,6 @@ its own threads, on bytes the stepping thread copies out of and into the pools b
 """
 
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -18,7 +17,7 @@ from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.hash_stream import HashStream
 from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_file import TierIdentity
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, default_kv_cache_bytes
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
 from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, LaunchedStep, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
@@ -98,10 +97,7 @@ class LLMEngine:
         )
 
     def _num_pages(self, geometry: KVGeometry) -> int:
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = min(int(total * self.config.kv_cache_fraction), 2 << 30)
+        budget = self.config.kv_cache_bytes or default_kv_cache_bytes(self.config.kv_cache_fraction)
         num_pages = budget // (geometry.bytes_per_token * self.config.page_size)
         if num_pages < 2:
             raise ValueError(

@@ -6,6 +6,7 @@ the next step (LLMEngine.step).
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,7 +16,8 @@ from kernels.paged_attention import build_layout
 from minivllm.engine.grammar import MaskCounters, token_bitmasks
 from minivllm.engine.sampler import log_softmax, sample
 from minivllm.engine.sequence import Sequence, TokenLogprob
-from minivllm.models.qwen2 import KVPools, forward
+from minivllm.models.families import architecture_of
+from minivllm.models.layers import Architecture, KVPools, forward
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,12 @@ class KVGeometry:
     @classmethod
     def of(cls, model: nn.Module, dtype: mx.Dtype) -> "KVGeometry":
         attn = model.model.layers[0].self_attn
-        head_dim = getattr(attn, "head_dim", None) or model.args.hidden_size // attn.n_heads
+        # Qwen3's attention modules keep no head_dim, and its head_dim is not hidden_size / heads
+        head_dim = (
+            getattr(attn, "head_dim", None)
+            or getattr(model.args, "head_dim", None)
+            or model.args.hidden_size // attn.n_heads
+        )
         return cls(len(model.model.layers), attn.n_kv_heads, head_dim, dtype)
 
 
@@ -81,6 +88,10 @@ class ModelRunner:
         self.num_slots = num_pages * page_size
         self.mask_counters = mask_counters
         self.reset_kv()
+
+    @cached_property
+    def architecture(self) -> Architecture:
+        return architecture_of(self.model)
 
     def reset_kv(self) -> None:
         g = self.geometry
@@ -171,7 +182,7 @@ class ModelRunner:
         ]
         num_rows = [1 + len(seqs[i].draft_token_ids) for i in sampling]
         step = LaunchedStep(seqs, num_tokens, sampling, num_rows)
-        logits = forward(self.model, inputs, self.kv, layout, sampling, num_rows)
+        logits = forward(self.architecture, self.model, inputs, self.kv, layout, sampling, num_rows)
         if logits is None:
             mx.async_eval(self.kv.keys, self.kv.values)
             return step

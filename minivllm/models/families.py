@@ -1,16 +1,21 @@
-"""Which model families the forward (minivllm.models.qwen2) runs exactly, checked at load.
+"""Which model families the forward runs exactly, checked at load, and each family's forward.
 
 mlx-lm loads many more architectures than the forward implements, and a model whose layers need
 something the forward skips (a sliding window, soft-capping, experts, other norms) would load and
 silently answer wrong tokens. So a model is served only when its `model_type` is listed here and its
 config uses no option the family's entry does not cover; the error names the architecture and what is
 missing. Each family listed is checked token for token against mlx-lm's own implementation in the tests.
+The blocks' computation lives in one file per family that differs: qwen2 (Qwen2, Qwen3, Llama, Mistral,
+Qwen3-MoE), phi3, gemma3_text.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.nn as nn
+
+from minivllm.models import gemma3_text, phi3, qwen2
+from minivllm.models.layers import Architecture
 
 Check = Callable[[dict, nn.Module], str | None]  # the unsupported option it finds, or None
 
@@ -41,8 +46,9 @@ def no_sliding_window(config: dict, model: nn.Module) -> str | None:
     return None
 
 
-def mistral_window(config: dict, model: nn.Module) -> str | None:
-    """Mistral configs set sliding_window alone (no layer_types); below the context it is a real window."""
+def window_below_context(config: dict, model: nn.Module) -> str | None:
+    """Mistral and Phi-3 configs set sliding_window alone (no layer_types), and their mlx-lm modules
+    attend to the whole context; below the context it is a real window."""
     window, context = config.get("sliding_window"), config.get("max_position_embeddings")
     if window is not None and context is not None and window < context:
         return f"sliding-window attention (window {window} < context {context})"
@@ -63,39 +69,129 @@ def no_softcapping(config: dict, model: nn.Module) -> str | None:
     return None
 
 
-def layout(q_k_norm: bool) -> Check:
-    """The module layout the forward reads: q/k/v/o projections, rope, two norms per block and SwiGLU
-    (or the model's own MLP module); q/k RMSNorms only where the family has them."""
+# the submodules each family's forward reads, and no others: a module the forward does not know of (a
+# norm, a projection) would be skipped silently
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "rope"}
+QK_NORMS = {"q_norm", "k_norm"}
+BLOCK = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+SWIGLU = {"gate_proj", "up_proj", "down_proj"}
+GEMMA_NORMS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+EXPERTS = {"gate", "switch_mlp"}  # Qwen3-MoE's sparse block: the router and mlx-lm's SwitchGLU
+
+
+def layout(attention: set[str], block: set[str], mlps: tuple[set[str], ...]) -> Check:
+    """Every block has exactly these submodules (its MLP one of `mlps`), and the attention module the
+    head counts and scale the forward reads."""
 
     def check(config: dict, model: nn.Module) -> str | None:
-        block = model.model.layers[0]
-        attn = getattr(block, "self_attn", None)
-        needed = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-        absent = [name for name in needed if not hasattr(attn, name)]
-        if absent:
-            return f"an attention module without {', '.join(absent)}"
-        if hasattr(attn, "q_norm") != q_k_norm or hasattr(attn, "k_norm") != q_k_norm:
-            return "q/k norms" if not q_k_norm else "an attention module without q/k norms"
-        extra = [n for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if hasattr(block, n)]
-        if extra:
-            return f"extra norms ({', '.join(extra)})"
+        for block_module in model.model.layers:
+            attn = getattr(block_module, "self_attn", None)
+            absent = [n for n in ("n_heads", "n_kv_heads", "scale") if not hasattr(attn, n)]
+            found = [
+                differs("an attention module", attn, attention),
+                differs("a block", block_module, block),
+                mlp_differs(getattr(block_module, "mlp", None), mlps),
+            ]
+            if absent:
+                return f"an attention module without {', '.join(absent)}"
+            if any(found):
+                return next(f for f in found if f)
         return None
 
     return check
 
 
+def _children(module: nn.Module | None) -> set[str]:
+    return set(module.children()) if module is not None else set()
+
+
+def differs(what: str, module: nn.Module | None, expected: set[str]) -> str | None:
+    names = _children(module)
+    if names == expected:
+        return None
+    parts = [f"with {', '.join(sorted(names - expected))}"] if names - expected else []
+    parts += [f"without {', '.join(sorted(expected - names))}"] if expected - names else []
+    return f"{what} {' and '.join(parts)}"
+
+
+def mlp_differs(mlp: nn.Module | None, expected: tuple[set[str], ...]) -> str | None:
+    names = _children(mlp)
+    return None if names in expected else f"an MLP of {', '.join(sorted(names)) or 'no submodules'}"
+
+
+def phi3_rope(config: dict, model: nn.Module) -> str | None:
+    """mlx-lm's phi3 module drops (with a warning) a rope scaling other than these."""
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("type") or scaling.get("rope_type")
+    return None if kind in {None, "longrope", "su", "linear"} else f"rope scaling type {kind!r}"
+
+
+def no_rope_scaling(config: dict, model: nn.Module) -> str | None:
+    """mlx-lm's qwen3_moe module applies plain rope whatever the config says."""
+    scaling = config.get("rope_scaling")
+    return f"rope scaling ({scaling})" if scaling else None
+
+
+def gemma_activation(config: dict, model: nn.Module) -> str | None:
+    act = config.get("hidden_activation") or config.get("hidden_act")
+    return None if act in {None, "gelu_pytorch_tanh"} else f"activation {act!r} (the MLP computes gelu-tanh)"
+
+
+def gemma_layer_types(config: dict, model: nn.Module) -> str | None:
+    """Local and global layers follow sliding_window_pattern (mlx-lm's rule); a config listing other
+    layer_types, or attending both ways, is not this forward's."""
+    if config.get("use_bidirectional_attention"):
+        return "bidirectional attention"
+    listed = config.get("layer_types")
+    actual = ["sliding_attention" if b.self_attn.is_sliding else "full_attention" for b in model.model.layers]
+    if listed is not None and list(listed) != actual:
+        return f"layer_types {listed} (sliding_window_pattern gives {actual})"
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     checks: tuple[Check, ...]
+    architecture: Callable[[nn.Module], Architecture]  # the model's forward
 
 
-COMMON = (rope_scaling, activation, no_experts, no_softcapping)
+def fixed(arch: Architecture) -> Callable[[nn.Module], Architecture]:
+    return lambda model: arch
+
+
+SHARED = (no_softcapping,)
+LLAMA = SHARED + (rope_scaling, activation, no_experts, no_sliding_window)
+LLAMA_LAYOUT = layout(ATTENTION, BLOCK, (SWIGLU,))
+QWEN3_LAYOUT = layout(ATTENTION | QK_NORMS, BLOCK, (SWIGLU,))
 FAMILIES = {
-    "qwen2": Family(COMMON + (no_sliding_window, layout(q_k_norm=False))),
-    "llama": Family(COMMON + (no_sliding_window, layout(q_k_norm=False))),
-    "mistral": Family(COMMON + (no_sliding_window, mistral_window, layout(q_k_norm=False))),
-    "qwen3": Family(COMMON + (no_sliding_window, layout(q_k_norm=True))),
+    "qwen2": Family(LLAMA + (LLAMA_LAYOUT,), fixed(qwen2.ARCHITECTURE)),
+    "llama": Family(LLAMA + (LLAMA_LAYOUT,), fixed(qwen2.ARCHITECTURE)),
+    "mistral": Family(LLAMA + (window_below_context, LLAMA_LAYOUT), fixed(qwen2.ARCHITECTURE)),
+    "qwen3": Family(LLAMA + (QWEN3_LAYOUT,), fixed(qwen2.ARCHITECTURE)),
+    "qwen3_moe": Family(
+        SHARED
+        + (no_rope_scaling, activation, no_sliding_window)
+        + (layout(ATTENTION | QK_NORMS, BLOCK, (SWIGLU, EXPERTS)),),
+        fixed(qwen2.ARCHITECTURE),
+    ),
+    "phi3": Family(
+        SHARED
+        + (phi3_rope, activation, no_experts, window_below_context)
+        + (layout({"qkv_proj", "o_proj", "rope"}, BLOCK, ({"gate_up_proj", "down_proj"},)),),
+        fixed(phi3.ARCHITECTURE),
+    ),
+    "gemma3_text": Family(
+        SHARED
+        + (rope_scaling, gemma_activation, no_experts, gemma_layer_types)
+        + (layout(ATTENTION | QK_NORMS, BLOCK | GEMMA_NORMS, (SWIGLU,)),),
+        gemma3_text.architecture,
+    ),
 }
+
+
+def architecture_of(model: nn.Module) -> Architecture:
+    """How the model's blocks compute (its family passed check_supported at load)."""
+    return FAMILIES[model.model_type].architecture(model)
 
 
 def check_supported(config: dict, model: nn.Module) -> None:

@@ -34,7 +34,8 @@ from minivllm.models.gguf_transcode import FLOAT_TYPES, GROUP_SIZE, to_mlx, tran
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("qwen2", "llama")
+SUPPORTED_ARCHS = ("qwen2", "llama", "qwen3")
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre`, copied from the models' own tokenizer.json.
 QWEN2_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -54,6 +55,7 @@ BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # qwen3's alone
 # Worker threads for the transcode: numpy work in parallel, each holding a few float32 copies of a tensor.
 TRANSCODE_THREADS = min(4, os.cpu_count() or 1)
 # Quantized embeddings return rows in their scales' dtype: they keep float32 scales to stay exact.
@@ -131,9 +133,15 @@ def hf_name(gguf_name: str) -> str | None:
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if m and m.group(2) in BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{BLOCK_NAMES[m.group(2)]}.{suffix}"
+    names = BLOCK_NAMES | QK_NORM_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
+
+
+def block_names(arch: str) -> dict[str, str]:
+    """The per-block tensors of an architecture: Qwen3 adds per-head RMSNorms of queries and keys."""
+    return BLOCK_NAMES | QK_NORM_NAMES if arch == "qwen3" else BLOCK_NAMES
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -149,7 +157,7 @@ def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def expected_tensors(info: GGUFModelInfo) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     for i in range(info.num_layers):
-        names += [f"blk.{i}.{short}.weight" for short in BLOCK_NAMES]
+        names += [f"blk.{i}.{short}.weight" for short in block_names(info.arch)]
     return names
 
 
@@ -158,7 +166,8 @@ def check_tensors(reader: GGUFReader, info: GGUFModelInfo) -> None:
     missing = [n for n in expected_tensors(info) if n not in present]
     if missing:
         raise GGUFError(f"GGUF is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    unknown = [n for n in present - SKIPPED_TENSORS if hf_name(n) is None]
+    foreign = [f".{short}." for short in QK_NORM_NAMES if short not in block_names(info.arch)]
+    unknown = [n for n in present - SKIPPED_TENSORS if hf_name(n) is None or any(f in n for f in foreign)]
     if unknown:
         raise GGUFError(f"unexpected tensor(s) for architecture {info.arch}: {unknown[:3]}")
 
@@ -331,7 +340,7 @@ def build_config(
 ) -> dict:
     config = {
         "model_type": info.arch,
-        "architectures": ["Qwen2ForCausalLM" if info.arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [HF_ARCHITECTURES[info.arch]],
         "hidden_size": info.hidden_size,
         "num_hidden_layers": info.num_layers,
         "intermediate_size": info.intermediate_size,
@@ -349,7 +358,7 @@ def build_config(
         config["quantization"] = quantization
     if config["bos_token_id"] < 0:
         config["bos_token_id"] = None
-    if info.head_dim != info.hidden_size // info.num_heads:
+    if info.head_dim != info.hidden_size // info.num_heads or info.arch == "qwen3":  # qwen3's args need it
         config["head_dim"] = info.head_dim
     return config
 
@@ -466,7 +475,7 @@ def conversion_temp_prefixes(out_dir: Path) -> tuple[str, str]:
 def convert_gguf(
     gguf_path: str | Path, out_dir: str | Path, *, uniform: UniformQuantization | None = None
 ) -> Path:
-    """Convert a qwen2/llama GGUF into an mlx-lm model directory at `out_dir` (replaced atomically).
+    """Convert a qwen2/qwen3/llama GGUF into an mlx-lm model directory at `out_dir` (replaced atomically).
 
     Without `uniform` the GGUF's quantization is carried over (transcoded); with it, every matrix is
     re-quantized at that width.

@@ -1,0 +1,142 @@
+"""The pieces every family's forward shares: the KV pools, rope and K/V writes on flat tokens, paged
+attention, the logits, and the walk over the blocks.
+
+A step's tokens of all sequences are flat [T] through the linear layers and rope; attention reads each
+sequence's context through its page table in kernels.paged_attention. The modules and weights are
+mlx-lm's own (loaded by `mlx_lm.load`); a family's file (qwen2, phi3, gemma3_text) says only how one of
+its blocks computes.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kernels.paged_attention import AttentionLayout, QueryRows, paged_attention, write_kv
+
+
+@dataclass
+class KVPools:
+    keys: list[mx.array]  # per layer [n_kv_heads, num_slots, head_dim]
+    values: list[mx.array]
+
+
+def rope(attn: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
+    """x [T, heads, D] rotated at each token's own position: each is a length-1 sequence with its own
+    offset, so nothing is padded and every backend's batched rope applies."""
+    T, heads, _ = x.shape
+    return attn.rope(x.reshape(T, heads, 1, -1), offset=positions).squeeze(2)
+
+
+def qk_norm(attn: nn.Module, name: str, x: mx.array) -> mx.array:
+    """The per-head RMSNorm of queries or keys before rope (Qwen3, Gemma 3); absent in Qwen2 / Llama."""
+    norm = getattr(attn, name, None)
+    return x if norm is None else norm(x)
+
+
+def store_kv(kv: KVPools, layer: int, layout: AttentionLayout, keys: mx.array, values: mx.array) -> None:
+    """A step's new keys (rope applied) and values, [T, n_kv_heads, D], into the layer's pools."""
+    write_kv(kv.keys[layer], layout.slot_mapping, keys)
+    write_kv(kv.values[layer], layout.slot_mapping, values)
+
+
+def attend(
+    attn: nn.Module,
+    queries: mx.array,
+    kv: KVPools,
+    layer: int,
+    layout: AttentionLayout,
+    window: int | None = None,
+) -> mx.array:
+    """The output projection of the queries [T, n_heads, D] (rope applied) over the pools, which hold
+    their own K/V already; window: a sliding-window layer's."""
+    out = paged_attention(queries, kv.keys[layer], kv.values[layer], layout, attn.scale, window)
+    return attn.o_proj(out)
+
+
+def only_rows(rows: QueryRows | None, layout: AttentionLayout, *xs: mx.array) -> tuple:
+    """The layout and arrays of the rows that go on past a block's K/V write (all when rows is None)."""
+    if rows is None:
+        return layout, *xs
+    return rows.layout, *(x[rows.rows] for x in xs)
+
+
+# (block, h, kv, layer, layout, rows) -> h: one block over the flat tokens; rows: only these go on past
+# the K/V write (the last block's sampled rows)
+DecoderLayer = Callable[[nn.Module, mx.array, KVPools, int, AttentionLayout, QueryRows | None], mx.array]
+# (block, h, kv, layer, layout): a block's K/V write alone (the last block of a step nobody samples in)
+WriteKV = Callable[[nn.Module, mx.array, KVPools, int, AttentionLayout], object]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One transformer block over the flat tokens, from a family's parts:
+    write_kv (block, h, kv, layer, layout) writes the K/V and returns what `queries` (attn, it, layout)
+    makes the queries of; after_attention (block, h, attention output) -> the block's output;
+    window: the sliding window of the layers whose attention module `is_sliding`."""
+
+    write_kv: Callable[[nn.Module, mx.array, KVPools, int, AttentionLayout], mx.array]
+    queries: Callable[[nn.Module, mx.array, AttentionLayout], mx.array]
+    after_attention: Callable[[nn.Module, mx.array, mx.array], mx.array]
+    window: int | None = None
+
+    def __call__(
+        self,
+        block: nn.Module,
+        h: mx.array,
+        kv: KVPools,
+        layer: int,
+        layout: AttentionLayout,
+        rows: QueryRows | None,
+    ) -> mx.array:
+        attn = block.self_attn
+        x = self.write_kv(block, h, kv, layer, layout)
+        layout, h, x = only_rows(rows, layout, h, x)
+        window = self.window if getattr(attn, "is_sliding", False) else None
+        return self.after_attention(
+            block, h, attend(attn, self.queries(attn, x, layout), kv, layer, layout, window)
+        )
+
+
+def embed(model: nn.Module, input_ids: mx.array) -> mx.array:
+    return model.model.embed_tokens(input_ids)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How a family's blocks compute; the walk over them (forward) is shared."""
+
+    decoder_layer: DecoderLayer
+    write_block_kv: WriteKV
+    embed: Callable[[nn.Module, mx.array], mx.array] = embed
+
+
+def forward(
+    arch: Architecture,
+    model: nn.Module,
+    input_ids: mx.array,
+    kv: KVPools,
+    layout: AttentionLayout,
+    sampling: list[int],
+    num_rows: list[int] | None = None,
+) -> mx.array | None:
+    """Logits of the last new token of each sequence in `sampling` (indices into layout.seqs), or of its
+    last num_rows[j] new tokens (a speculative step verifies several), in order: [sum of rows, vocab].
+    None when no sequence samples (the step only fills the pools)."""
+    h = arch.embed(model, input_ids)
+    body = model.model
+    *inner, last = body.layers
+    for i, block in enumerate(inner):
+        h = arch.decoder_layer(block, h, kv, i, layout, None)
+    # The last block's output feeds only the logits: every token's K/V still goes into the pool, but
+    # its queries, attention and MLP are computed for the sampled rows alone (a prefill chunk's last
+    # token, a verification's drafted positions), which saves 1/num_layers of a prefill step.
+    if not sampling:
+        arch.write_block_kv(last, h, kv, len(inner), layout)
+        return None
+    rows = layout.last_tokens(sampling, num_rows)
+    h = body.norm(arch.decoder_layer(last, h, kv, len(inner), layout, rows))
+    if getattr(model, "lm_head", None) is not None:
+        return model.lm_head(h)
+    return body.embed_tokens.as_linear(h)
