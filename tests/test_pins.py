@@ -22,7 +22,7 @@ class Clock:
 
 def pool_engine(model_dir, clock: Clock | None = None, eviction: str = "adaptive"):
     engine = make_engine(
-        model_dir, kv_cache_bytes=POOL_PAGES * PAGE_BYTES, max_model_len=512, eviction=eviction
+        model_dir, kv_cache_bytes=POOL_PAGES * PAGE_BYTES, max_model_len=1024, eviction=eviction
     )
     if clock is not None:  # the pins' TTLs run on it
         engine.kv.clock = engine.kv.pins.clock = clock
@@ -123,7 +123,7 @@ def test_a_restore_that_stops_short_says_where_and_why(tiny_model_dir):
     changed = list(PINNED)
     changed[70] = (changed[70] + 1) % 384  # page 4
     seq = ask(engine, "changed", changed)
-    assert seq.num_cached_tokens == 64 and seq.prefix_miss == PrefixMiss(64, "new")
+    assert seq.num_cached_tokens == 64 and seq.prefix_miss == PrefixMiss(70, "new")  # the changed token
     assert ask(engine, "same", PINNED).prefix_miss is None
     fresh = ask(engine, "fresh", random_prompts([100], seed=5)[0])
     assert fresh.prefix_miss == PrefixMiss(0, "new")
@@ -133,3 +133,16 @@ def test_a_restore_that_stops_short_says_where_and_why(tiny_model_dir):
 def test_bad_pins_are_refused(pins):
     with pytest.raises(ValueError, match="pins"):
         SamplingParams(pins=pins)
+
+
+def test_pins_give_way_to_a_request_that_could_not_fit_beside_them(tiny_model_dir):
+    engine = pool_engine(tiny_model_dir)
+    prompts = random_prompts([161, 161, 161], seed=11)
+    for i, prompt in enumerate(prompts):
+        ask(engine, f"pin-{i}", prompt, pins=((len(prompt), 300.0),))
+    assert engine.stats()["pages_pinned"] == 30
+    big = ask(engine, "big", random_prompts([700], seed=12)[0])  # 44 pages: more than the 34 unpinned
+    assert big.finish_reason == "length" and len(big.output_token_ids) == 4
+    stats = engine.stats()
+    assert stats["pins_given_way"] == 1 and stats["pages_pinned"] == 20  # only the oldest gave way
+    assert ask(engine, "newest", prompts[2]).num_cached_tokens == 160

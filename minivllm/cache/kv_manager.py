@@ -59,7 +59,7 @@ class DiskRestore:
 class PrefixMiss:
     """Why a prompt restored less than it could: the first page of it the cache did not hold."""
 
-    token: int  # the page's first token
+    token: int  # the first token that differs from the cached prompts (new), or the page's first (evicted)
     reason: str  # "evicted": cached once and given up lately; "new": never cached (or long ago); "off"
 
 
@@ -156,21 +156,34 @@ class KVManager:
         restoring until apply_restores."""
         hits = self._cached_prefix(seq)
         need = self.pages_for(len(seq.token_ids)) - len(hits)
+        self._unblock(hits, need)
         # acquiring un-caches them (pinned ones were not counted as available)
         taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0 and not self.pool.is_idle_pin(p))
         if need > self.num_available() - taken_off_cache:
             return None
+        on_disk = self._on_disk(seq, len(hits))
+        if seq.num_admissions == 0:  # before the allocation evicts what the prompt is compared with
+            seq.prefix_miss = self._miss(seq, len(hits) + len(on_disk))
         self.pool.acquire(hits)
         self.pins.refresh(seq.full_page_hashes(self.page_size)[: len(hits)])
         seq.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
         seq.num_computed_tokens = len(hits) * self.page_size
         seq.publish_cursor = len(hits)
-        on_disk = self._on_disk(seq, len(hits))
         if on_disk:
             self.restores[seq] = DiskRestore(seq, len(hits), self.disk.read(on_disk))
-        if seq.num_admissions == 0:
-            seq.prefix_miss = self._miss(seq, len(hits) + len(on_disk))
         return seq.num_computed_tokens
+
+    def _unblock(self, hits: list[int], need: int) -> None:
+        """Pins never keep a request out for good: while it could not fit even with every unpinned page
+        free (hits and need new pages), the least recently refreshed pins give way."""
+        if len(hits) + need <= self.num_pages - self.pins.num_pages:
+            return  # fits beside every pin (the common case: no count of pinned hits)
+        hit = set(hits)
+        while self.pins.num_pins:
+            blocking = sum(1 for h in self.pool.pinned if self.pool.index[h] not in hit)
+            if len(hits) + need <= self.num_pages - blocking:
+                return
+            self.pool.unpin(self.pins.give_way())
 
     def _miss(self, seq: "Sequence", found: int) -> PrefixMiss | None:
         """Why seq's restore stops at page `found` (RAM and disk together), or None if it restores all
@@ -179,8 +192,21 @@ class KVManager:
             return None
         if not self.enable_prefix_caching:
             return PrefixMiss(0, "off")
-        h = seq.full_page_hashes(self.page_size)[found]
-        return PrefixMiss(found * self.page_size, "evicted" if h in self.pool.evicted else "new")
+        hashes = seq.full_page_hashes(self.page_size)
+        if hashes[found] in self.pool.evicted:
+            return PrefixMiss(found * self.page_size, "evicted")
+        return PrefixMiss(self._divergence(seq, found, hashes), "new")
+
+    def _divergence(self, seq: "Sequence", found: int, hashes: list[bytes]) -> int:
+        """The first token of page `found` that no cached continuation of the pages before it has: where
+        seq's prompt differs from the cached ones (the page's start if nothing continues them)."""
+        start = found * self.page_size
+        mine = seq.token_ids[start : start + self.page_size]
+        same = 0
+        for child in self.pool.children.get(hashes[found - 1], ()) if found else ():
+            theirs = self.pool.page_tokens[self.pool.index[child]]
+            same = max(same, next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine)))
+        return start + same
 
     def is_restoring(self, seq: "Sequence") -> bool:
         return seq in self.restores

@@ -5,7 +5,8 @@ A pin holds the chained hashes of a published prefix, from page 0, until it expi
 restores the whole pinned prefix refreshes it for its TTL again. The page pool never evicts a pinned page,
 whatever the eviction policy (it skips them when it asks the policy for a victim) and does not count them
 as available. Pins together hold at most `limit` pages (half the pool, so that they can never starve the
-requests running): a new pin that would pass it makes the least recently refreshed pins give way first.
+requests running): a new pin that would pass it makes the least recently refreshed pins give way first,
+and so does a request that could not fit the pool even if every unpinned page were free.
 This module only keeps the book (what is pinned, until when, in which order); the pool is told which
 pages became pinned or unpinned.
 """
@@ -87,9 +88,7 @@ class Pins:
             return change
         new = sum(1 for h in hashes if h not in self._holders)
         while self._pins and self.num_pages + new > self.limit:
-            oldest = next(iter(self._pins))
-            change.unpinned += self._drop(oldest)
-            self.counters.pins_given_way += 1
+            change.unpinned += self.give_way()
             new = sum(1 for h in hashes if h not in self._holders)
         self._pins[key] = Pin(tuple(hashes), ttl_s, self.clock() + ttl_s)
         for h in hashes:
@@ -98,6 +97,15 @@ class Pins:
                 change.pinned.append(h)
         self.counters.pins_made += 1
         return change
+
+    def held(self) -> list[Pin]:
+        """The pins, least recently refreshed first."""
+        return list(self._pins.values())
+
+    def give_way(self) -> list[bytes]:
+        """Drop the least recently refreshed pin before its time; the pages no pin holds any more."""
+        self.counters.pins_given_way += 1
+        return self._drop(next(iter(self._pins)))
 
     def refresh(self, hashes: list[bytes]) -> None:
         """A request restored the prefix `hashes`: every pin wholly within it starts its TTL again."""

@@ -4,7 +4,9 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from minivllm.cache.pins import TTL_MAX_S
+from minivllm.cache.pins import TTL_DEFAULT_S, TTL_MAX_S
+
+__all__ = ["TTL_DEFAULT_S", "TTL_MAX_S", "SamplingParams", "StructuredOutput", "choice_seed"]
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
