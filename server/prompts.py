@@ -15,6 +15,7 @@ are plain text around the FIM tokens the server writes.
 
 import asyncio
 import inspect
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -92,11 +93,28 @@ class PromptBuilder:
         self, messages: list[p.ChatMessage], max_tokens: int | None, tools: list[dict] | None = None
     ) -> list[int]:
         """tools: the request's tools, for a template that renders them (None: no tools in the prompt)."""
+        return await self._off_loop(self._chat_ids, self._turns(messages), max_tokens, tools)
+
+    def _turns(self, messages: list[p.ChatMessage]) -> list[dict]:
         turns = conversation(messages)
         for turn in turns:
             if turn["role"] == "developer":
                 turn["role"] = self.developer_role
-        return await self._off_loop(self._chat_ids, turns, max_tokens, tools)
+        return turns
+
+    async def message_at(
+        self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], token: int
+    ) -> int | None:
+        """The index of the message whose templated text holds prompt token `token` (ids: the prompt
+        chat() made of these messages); None if the template cannot render a part of the conversation."""
+        return await self._off_loop(self._message_at, self._turns(messages), tools, ids, token)
+
+    async def message_ends(
+        self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], ends: list[int]
+    ) -> list[int]:
+        """For each k in ends, the prompt tokens before message k (k = len(messages): the whole
+        conversation, less the generation prompt); 0 where the template cannot render a part of it."""
+        return await self._off_loop(self._message_ends, self._turns(messages), tools, ids, ends)
 
     async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:
         """A string, a list of token ids, or a list of either (several prompts)."""
@@ -147,6 +165,51 @@ class PromptBuilder:
         return self.tokenizer.apply_chat_template(
             turns, tools=tools, add_generation_prompt=True, tokenize=False
         )
+
+    # Where messages start: message k starts where the rendering of the first k messages (no generation
+    # prompt) stops agreeing with the whole rendering, and a character offset becomes a token offset by
+    # decoding prompt prefixes (a binary search each way: a few renderings and decodes, only when asked).
+    def _message_at(
+        self, turns: list[dict], tools: list[dict] | None, ids: list[int], token: int
+    ) -> int | None:
+        try:
+            full = self._render(turns, tools)
+            char = len(self.tokenizer.decode(ids[:token]))
+            lo, hi = 0, len(turns) - 1  # the last message starting at or before char
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._start(turns, tools, mid, full) <= char:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+        except Exception:  # a template that refuses a part of the conversation: no index
+            return None
+
+    def _message_ends(self, turns: list[dict], tools: list[dict] | None, ids: list[int], ends: list[int]):
+        try:
+            full = self._render(turns, tools)
+            return [self._tokens_before(ids, self._start(turns, tools, k, full)) for k in ends]
+        except Exception:
+            return [0] * len(ends)
+
+    def _start(self, turns: list[dict], tools: list[dict] | None, k: int, full: str) -> int:
+        """Characters of the whole rendering before message k."""
+        part = self.tokenizer.apply_chat_template(
+            turns[:k], tools=tools, add_generation_prompt=False, tokenize=False
+        )
+        return len(os.path.commonprefix([part, full]))
+
+    def _tokens_before(self, ids: list[int], char: int) -> int:
+        """The most tokens of ids whose text is at most char characters long."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self.tokenizer.decode(ids[:mid])) <= char:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _holds_control_strings(self, *values) -> bool:
         return self.control_strings is not None and any(map(self.control_strings.search, _strings(*values)))
