@@ -146,3 +146,26 @@ def test_pins_give_way_to_a_request_that_could_not_fit_beside_them(tiny_model_di
     stats = engine.stats()
     assert stats["pins_given_way"] == 1 and stats["pages_pinned"] == 20  # only the oldest gave way
     assert ask(engine, "newest", prompts[2]).num_cached_tokens == 160
+
+
+def test_a_pinned_prefix_stays_on_disk_through_a_flood_and_restores_after_a_restart(tiny_model_dir, tmp_path):
+    disk_pages = 40  # the disk tier holds 40 page files: the flood evicts all but the pinned
+    geometry = dict(kv_disk_dir=str(tmp_path), single_flight="off", max_model_len=1024)
+
+    def disk_engine(file_bytes: int):
+        return make_engine(
+            tiny_model_dir, kv_cache_bytes=POOL_PAGES * PAGE_BYTES, kv_disk_bytes=file_bytes, **geometry
+        )
+
+    engine = disk_engine(disk_pages * 3 * 4096)  # a page file takes 3 blocks (8 KiB of KV and its header)
+    assert engine.kv.disk.policy.capacity == disk_pages
+    other = random_prompts([161], seed=13)[0]
+    ask(engine, "pinned", PINNED, pins=((len(PINNED), 300.0),))
+    ask(engine, "other", other)
+    flood(engine, seed=5)
+    engine.kv.disk.flush()
+    engine.close()
+    restarted = disk_engine(disk_pages * 3 * 4096)  # pins are RAM state; the files stayed
+    again = ask(restarted, "pinned-again", PINNED)
+    assert again.num_cached_tokens == 160 and restarted.stats()["prefix_hit_tokens_disk"] == 160
+    assert ask(restarted, "other-again", other).num_cached_tokens == 0

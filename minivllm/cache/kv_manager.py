@@ -17,7 +17,7 @@ callbacks): nothing here touches MLX.
 Pins (minivllm.cache.pins) keep a prefix cached for a TTL: the pool never evicts a pinned page. A request
 that asks for pins (SamplingParams.pins) pins its published prompt prefixes when it ends; a restore of a
 pinned prefix refreshes its pin. With a disk tier, pinned pages are also written to disk (if the disk lacks
-them). At a request's first admission its restore is explained: where it stopped short, and why (PrefixMiss).
+them), and the disk keeps them while they are pinned. At a request's first admission its restore is explained: where it stopped short, and why (PrefixMiss).
 """
 
 import time
@@ -30,7 +30,7 @@ import numpy as np
 from minivllm.cache.disk_tier import DiskRead, DiskTier, PageRecord
 from minivllm.cache.eviction import make_policy
 from minivllm.cache.page_pool import PagePool, PoolCounters
-from minivllm.cache.pins import PinCounters, PinInfo, Pins
+from minivllm.cache.pins import PinChange, PinCounters, PinInfo, Pins
 
 if TYPE_CHECKING:  # the engine's request state: page_table, token_ids, num_computed_tokens, ...
     from minivllm.engine.sequence import Sequence
@@ -183,7 +183,7 @@ class KVManager:
             blocking = sum(1 for h in self.pool.pinned if self.pool.index[h] not in hit)
             if len(hits) + need <= self.num_pages - blocking:
                 return
-            self.pool.unpin(self.pins.give_way())
+            self._unpin(self.pins.give_way())
 
     def _miss(self, seq: "Sequence", found: int) -> PrefixMiss | None:
         """Why seq's restore stops at page `found` (RAM and disk together), or None if it restores all
@@ -316,11 +316,18 @@ class KVManager:
 
     def expire_pins(self) -> None:
         """Release the pins whose TTL is up (the engine calls it every step)."""
-        self.pool.unpin(self.pins.expire())
+        self._unpin(self.pins.expire())
 
-    def _pin_change(self, change) -> None:
-        self.pool.unpin(change.unpinned)
+    def _pin_change(self, change: PinChange) -> None:
+        self._unpin(change.unpinned)
         self.pool.pin(change.pinned)
+        if self.disk is not None:
+            self.disk.pin(change.pinned)
+
+    def _unpin(self, hashes: list[bytes]) -> None:
+        self.pool.unpin(hashes)
+        if self.disk is not None:
+            self.disk.unpin(hashes)
 
     @property
     def pin_counters(self) -> PinCounters:
@@ -359,11 +366,13 @@ class KVManager:
         for seq in list(self.restores):
             self._cancel_restore(seq)
         self._disk_writes = []
+        if self.disk is not None:
+            self.disk.unpin(self.pins.clear())  # the pins go with the pool
         self.pool = self._new_pool(self.pool.counters)
         self.pins = self._new_pins(self.pins.counters)
 
     def clear_cache(self) -> None:
-        self.pool.unpin(self.pins.clear())
+        self._unpin(self.pins.clear())
         self.pool.clear_cache()
 
     def disk_stats(self) -> dict:
