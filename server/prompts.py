@@ -14,6 +14,7 @@ are plain text around the FIM tokens the server writes.
 """
 
 import asyncio
+import bisect
 import inspect
 import os
 import re
@@ -167,14 +168,14 @@ class PromptBuilder:
         )
 
     # Where messages start: message k starts where the rendering of the first k messages (no generation
-    # prompt) stops agreeing with the whole rendering, and a character offset becomes a token offset by
-    # decoding prompt prefixes (a binary search each way: a few renderings and decodes, only when asked).
+    # prompt) stops agreeing with the whole rendering; character offsets and token offsets convert through
+    # the prompt's text, decoded once in chunks (TextOffsets). Only when asked: a miss, or breakpoints.
     def _message_at(
         self, turns: list[dict], tools: list[dict] | None, ids: list[int], token: int
     ) -> int | None:
         try:
             full = self._render(turns, tools)
-            char = len(self.tokenizer.decode(ids[:token]))
+            char = TextOffsets(self.tokenizer.decode, ids).char_of(token)
             lo, hi = 0, len(turns) - 1  # the last message starting at or before char
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -189,7 +190,8 @@ class PromptBuilder:
     def _message_ends(self, turns: list[dict], tools: list[dict] | None, ids: list[int], ends: list[int]):
         try:
             full = self._render(turns, tools)
-            return [self._tokens_before(ids, self._start(turns, tools, k, full)) for k in ends]
+            offsets = TextOffsets(self.tokenizer.decode, ids)
+            return [offsets.tokens_before(self._start(turns, tools, k, full)) for k in ends]
         except Exception:
             return [0] * len(ends)
 
@@ -198,18 +200,7 @@ class PromptBuilder:
         part = self.tokenizer.apply_chat_template(
             turns[:k], tools=tools, add_generation_prompt=False, tokenize=False
         )
-        return len(os.path.commonprefix([part, full]))
-
-    def _tokens_before(self, ids: list[int], char: int) -> int:
-        """The most tokens of ids whose text is at most char characters long."""
-        lo, hi = 0, len(ids)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if len(self.tokenizer.decode(ids[:mid])) <= char:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return len(part) if full.startswith(part) else len(os.path.commonprefix([part, full]))
 
     def _holds_control_strings(self, *values) -> bool:
         return self.control_strings is not None and any(map(self.control_strings.search, _strings(*values)))
@@ -294,6 +285,48 @@ class PromptBuilder:
         starts = range(0, len(text), NORMALIZED_PIECE)
         pieces = sum(len(self.normalizer.normalize_str(text[i : i + NORMALIZED_PIECE])) for i in starts)
         return pieces - CHANGED_ACROSS_A_CUT * max(0, len(starts) - 1)
+
+
+class TextOffsets:
+    """Where a prompt's tokens fall in its text. The text's length up to each chunk of tokens comes from
+    decoding the chunks once (decoding every prefix probed would cost a whole decode each); a chunk ends
+    on a whole character (a cut inside one would count it twice, as U+FFFD); within a chunk a probe
+    decodes at most a chunk."""
+
+    CHUNK = 256
+    MAX_CHARACTER_TOKENS = 8  # tokens a chunk may grow by to end on a whole character
+
+    def __init__(self, decode: Callable[[list[int]], str], ids: list[int], chunk: int = CHUNK):
+        self.decode = decode
+        self.ids = ids
+        self.bounds = [0]  # each chunk's first token, and the end
+        self.starts = [0]  # characters before each chunk, and in all
+        while self.bounds[-1] < len(ids):
+            i = self.bounds[-1]
+            j = min(i + chunk, len(ids))
+            text = decode(ids[i:j])
+            while text.endswith("\ufffd") and j < min(len(ids), i + chunk + self.MAX_CHARACTER_TOKENS):
+                j += 1
+                text = decode(ids[i:j])
+            self.bounds.append(j)
+            self.starts.append(self.starts[-1] + len(text))
+
+    def char_of(self, token: int) -> int:
+        """Characters of the text before token `token`."""
+        c = bisect.bisect_right(self.bounds, token) - 1
+        return self.starts[c] + len(self.decode(self.ids[self.bounds[c] : token]))
+
+    def tokens_before(self, char: int) -> int:
+        """The most tokens whose text is at most char characters long."""
+        c = min(max(0, bisect.bisect_right(self.starts, char) - 1), len(self.bounds) - 1)
+        lo, hi = self.bounds[c], self.bounds[min(c + 1, len(self.bounds) - 1)]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.char_of(mid) <= char:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 def _strings(*values) -> Iterator[str]:

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from server.prefix_report import EXPLAINED, HEADER
+from server.prompts import TextOffsets
 from tests.server_thread import ServerThread, assert_error, tiny_settings
 from tests.test_prefix_cache import PAGE_BYTES
 
@@ -239,3 +240,17 @@ def test_more_than_four_breakpoints_are_refused(server):
         m["content"] = [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]
     r = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 400 and "cache_control" in json.dumps(r.json())
+
+
+def test_text_offsets_agree_with_decoding_every_prefix(server):
+    tok = server.engine.tokenizer
+    ids = tok.encode("déjà vu — naïve café, 中文 and plain text " * 20, add_special_tokens=False)
+    for offsets in (
+        TextOffsets(tok.decode, ids),
+        TextOffsets(tok.decode, ids, chunk=7),
+    ):  # cuts in characters
+        for p in range(len(ids) + 1):
+            exact = len(tok.decode(ids[:p]))
+            assert offsets.char_of(p) == exact
+            before = offsets.tokens_before(exact)
+            assert len(tok.decode(ids[:before])) <= exact and before >= p
