@@ -49,12 +49,7 @@ async def messages(body: a.MessagesRequest, request: Request):
         prompt = await until_disconnect(request, lambda: st.prompts.chat(turns, None, template_tools))
         fits = len(prompt) + body.max_tokens <= st.max_model_len
         marks = breakpoints(body, turns, owners)
-        ends = (
-            await st.prompts.message_ends(turns, template_tools, prompt, [k for k, _ in marks])
-            if marks
-            else []
-        )
-        pins = tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, marks) if tokens > 0)
+        pins = await until_disconnect(request, lambda: pinned(st, turns, template_tools, prompt, marks))
         salt = cache_salt(request, None)  # the API key's cache domain, as on the other protocols
         params = sampling(body, structured, body.max_tokens if fits else None, pins, salt)
         fmt = MessagesFormat(tools, window_bound=not fits)
@@ -194,6 +189,16 @@ def breakpoints(
             param="cache_control",
         )
     return marks
+
+
+async def pinned(
+    st: ServerState, turns: list[p.ChatMessage], tools: list[dict] | None, prompt: list[int], marks: list
+) -> tuple[tuple[int, float], ...]:
+    """The breakpoints as the engine's pins: (prompt tokens before message k, TTL) each."""
+    if not marks:
+        return ()
+    ends = await st.prompts.message_ends(turns, tools, prompt, [k for k, _ in marks])
+    return tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, marks, strict=True) if tokens > 0)
 
 
 def _ttl(control: a.CacheControl) -> float:

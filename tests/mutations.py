@@ -626,6 +626,14 @@ MUTATIONS = [
     ),
     # -- pins, and why a prompt missed ----------------------------------------------------------------------
     Mutation(
+        "messages-without-key-domain",
+        "Anthropic Messages requests share one cache domain whatever their API key",
+        "server/messages.py",
+        "salt = cache_salt(request, None)",
+        "salt = None",
+        ("tests/test_cache_isolation.py",),
+    ),
+    Mutation(
         "pinned-pages-evictable",
         "the allocator may evict a pinned page",
         "minivllm/cache/page_pool.py",

@@ -17,7 +17,8 @@ callbacks): nothing here touches MLX.
 Pins (minivllm.cache.pins) keep a prefix cached for a TTL: the pool never evicts a pinned page. A request
 that asks for pins (SamplingParams.pins) pins its published prompt prefixes when it ends; a restore of a
 pinned prefix refreshes its pin. With a disk tier, pinned pages are also written to disk (if the disk lacks
-them), and the disk keeps them while they are pinned. At a request's first admission its restore is explained: where it stopped short, and why (PrefixMiss).
+them), and the disk keeps them while they are pinned. At a request's first admission its restore is
+explained: where it stopped short, and why (PrefixMiss).
 """
 
 import time
