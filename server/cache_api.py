@@ -24,6 +24,7 @@ TTLS = {"5m": TTL_DEFAULT_S, "1h": TTL_MAX_S}
 class PinRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
+    model: str | None = None  # if given, the served model's id (else 404, as on the generation endpoints)
     prompt: str | None = None  # a raw prompt, tokenized as /v1/completions does
     messages: list[p.ChatMessage] | None = None  # a conversation, templated as /v1/chat/completions does
     ttl: Literal["5m", "1h"] | int = "5m"  # Anthropic's TTLs, or seconds
@@ -57,6 +58,8 @@ class PinResponse(BaseModel):
 async def pin(body: PinRequest, request: Request) -> PinResponse:
     """Prefill the prompt (one token generated, then dropped) and pin its whole pages for the TTL."""
     st: ServerState = request.app.state.server
+    if body.model is not None:
+        st.check_model(body.model)
     ttl_s = body.ttl_s()
     names = {"prompt": "messages" if body.messages is not None else "prompt", "pins": "ttl"}
     with protocol_names(names):

@@ -147,6 +147,15 @@ def test_a_pinned_prompt_survives_a_flood(server):
     assert report(r.headers[HEADER]) == {"restored": str((n - 1) // 16 * 16), "prompt": str(n)}
 
 
+def test_a_pinned_conversation_serves_a_chat_request_after_a_flood(server):
+    messages = conversation(65, n=2)
+    r = post(server, "/v1/cache/pin", {"messages": messages, "ttl": 600})
+    assert r.status_code == 200 and r.json()["prompt_tokens"] == len(prompt_ids(server, messages))
+    flood(server, seed=3)
+    n = len(prompt_ids(server, messages))
+    assert chat(server, messages) == {"restored": str((n - 1) // 16 * 16), "prompt": str(n)}
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -160,6 +169,14 @@ def test_a_pinned_prompt_survives_a_flood(server):
 def test_a_bad_pin_request_is_a_400(server, body, param):
     error = assert_error(post(server, "/v1/cache/pin", body), 400)
     assert param is None or error["param"].startswith(param)
+
+
+def test_a_pin_of_another_model_is_a_404(server):
+    assert (
+        assert_error(post(server, "/v1/cache/pin", {"prompt": "a", "model": "other"}), 404)["param"]
+        == "model"
+    )
+    assert post(server, "/v1/cache/pin", {"prompt": "a", "model": "tiny"}).status_code == 200
 
 
 def test_the_pin_endpoint_needs_the_key(server):
