@@ -3,6 +3,7 @@ stopped: the message and token of a change, evicted or new), GET /v1/cache/expla
 and Anthropic cache_control breakpoints pinning the right prefixes."""
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -68,6 +69,13 @@ def test_a_repeated_conversation_restores_all_it_can_and_says_so(server):
     again = chat(server, messages)
     n = len(prompt_ids(server, messages))
     assert again == {"restored": str((n - 1) // 16 * 16), "prompt": str(n)}
+
+
+def test_the_report_goes_to_the_log_at_info(server, caplog):
+    with caplog.at_level(logging.INFO, logger="server.prefix_report"):
+        header = post(server, "/v1/completions", {"model": "tiny", "prompt": text(45, 10), "max_tokens": 1})
+    line = next(r.getMessage() for r in caplog.records if r.name == "server.prefix_report")
+    assert line.startswith("prefix cache /v1/completions cmpl-") and line.endswith(header.headers[HEADER])
 
 
 @pytest.mark.parametrize("k, byte", [(1, 5), (2, 40), (3, 100)])
