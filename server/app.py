@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
 from minivllm.shadow import ShadowReplay
-from server import chat, completions, messages, responses, web
+from server import cache_api, chat, completions, messages, responses, web
 from server import protocol as p
 from server.core import ServerState, state_for
 from server.engine_client import EngineClient
@@ -73,7 +73,8 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     app = FastAPI(title="minivllm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(GatewayMiddleware, metrics=metrics)
     install_error_handlers(app)
-    for routes in (router, chat.router, completions.router, messages.router, responses.router, web.router):
+    protocols = (chat.router, completions.router, messages.router, responses.router)
+    for routes in (router, *protocols, cache_api.router, web.router):
         app.include_router(routes)
     return app
 

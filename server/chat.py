@@ -35,7 +35,11 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ChatFormat(st, body.logprobs, tools)
-        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
+
+        def locate(token: int):
+            return st.prompts.message_at(body.messages, template_tools, prompt, token)
+
+        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured, locate)
 
 
 class ChatFormat(OpenAIEvents):

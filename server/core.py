@@ -9,6 +9,7 @@ fields and n choices) or `run` (sampling params the protocol built itself) does 
 import asyncio
 import json
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body
 from server.generation import Delta, Generation, TokenUsage
 from server.metrics import Metrics
+from server.prefix_report import EXPLAINED, HEADER, MessageLocator, PrefixReport, header_value, log, reports
 from server.prompts import PromptBuilder
 from server.settings import Settings
 
@@ -43,6 +45,8 @@ class ServerState:
     token_bytes: Callable[[int], bytes]  # one token's own bytes, for logprobs
     streams: set[Generation] = field(default_factory=set)  # the generations of open streams
     shadow: ShadowReplay | None = None  # the cache advice, for a local engine
+    # the last requests' prefix-cache reports, oldest first (GET /v1/cache/explain)
+    explained: deque[PrefixReport] = field(default_factory=lambda: deque(maxlen=EXPLAINED))
 
     def end_streams(self, reason: str) -> int:
         """End every open stream with an error event; how many there were."""
@@ -174,6 +178,7 @@ async def generate(
     max_tokens: int | None,
     logprobs: int | None,
     structured: StructuredOutput | None = None,
+    locate: MessageLocator | None = None,
 ) -> Response:
     choices = len(prompts) * body.n
     if choices > MAX_CHOICES:
@@ -191,7 +196,9 @@ async def generate(
         sampling_params(body, max_tokens, logprobs, i * body.n, structured, salt) for i in range(len(prompts))
     ]
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
-    return await run(request, state, fmt, prompts, params, body.stop, hidden, body.stream, body.include_usage)
+    return await run(
+        request, state, fmt, prompts, params, body.stop, hidden, body.stream, body.include_usage, locate
+    )
 
 
 async def run(
@@ -204,39 +211,60 @@ async def run(
     hidden: frozenset[int],
     stream: bool,
     include_usage: bool = False,
+    locate: MessageLocator | None = None,
 ) -> Response:
-    """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response."""
+    """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response. locate: the
+    message holding a prompt token, for the prefix-cache report (server.prefix_report)."""
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden)
+    explain = _explainer(request, state, gen, locate)
     streaming = False
     try:
         if stream and fmt.keepalive_s is not None:
             # the stream starts before the engine answers: what the request can be refused for up front
-            # is refused here, as an HTTP error
+            # is refused here, as an HTTP error (and the prefix-cache report comes as an SSE comment)
             for prompt, plist in zip(prompts, params, strict=True):
                 check_context_length(state.max_model_len, len(prompt), plist[0].max_tokens)
             streaming = True
-            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage, started=False))
+            events = _sse(gen, fmt, rid, state.model_name, include_usage, started=False, explain=explain)
+            return GenerationStream(gen, events)
         await until_disconnect(request, gen.start)
+        headers = {HEADER: await until_disconnect(request, explain)}
         if stream:
             streaming = True  # from here the response closes gen
             if hasattr(fmt, "events"):
-                return GenerationStream(gen, fmt.events(gen, rid, state.model_name))
-            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage))
+                return GenerationStream(gen, fmt.events(gen, rid, state.model_name), headers)
+            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage), headers)
         per_choice = await until_disconnect(request, gen.collect)
         usage = fmt.usage(gen.token_usage())
-        return JSONResponse(fmt.response(rid, state.model_name, per_choice, usage).model_dump())
+        return JSONResponse(
+            fmt.response(rid, state.model_name, per_choice, usage).model_dump(), headers=headers
+        )
     finally:
         if not streaming:
             gen.close()
+
+
+def _explainer(
+    request: Request, state: ServerState, gen: Generation, locate: MessageLocator | None
+) -> Callable[[], Awaitable[str]]:
+    """Once gen has started: its prefix-cache reports, logged and kept for /v1/cache/explain; the header."""
+
+    async def explain() -> str:
+        found = await reports(gen, request.url.path, locate)
+        log(found)
+        state.explained.extend(found)
+        return header_value(found)
+
+    return explain
 
 
 class GenerationStream(StreamingResponse):
     """An SSE response that closes its generation however it ends: finished, failed, never started, or the
     client gone (watched here too: under ASGI spec 2.4 Starlette only notices on a failed send)."""
 
-    def __init__(self, gen: Generation, events: AsyncIterator[str]):
-        super().__init__(events, media_type="text/event-stream")
+    def __init__(self, gen: Generation, events: AsyncIterator[str], headers: dict[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
         self.gen = gen
 
     async def __call__(self, scope, receive, send) -> None:
@@ -253,10 +281,17 @@ class GenerationStream(StreamingResponse):
 
 
 async def _sse(
-    gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool, started: bool = True
+    gen: Generation,
+    fmt: Format,
+    rid: str,
+    model: str,
+    include_usage: bool,
+    started: bool = True,
+    explain: Callable[[], Awaitable[str]] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body; if the client goes away, the generation is closed and this ends. started False: gen
-    starts here, with pings while it waits."""
+    starts here, with pings while it waits, and then the prefix-cache report goes out as an SSE comment
+    (the headers left before the engine had admitted the request)."""
     try:
         if not started:
             try:
@@ -270,6 +305,8 @@ async def _sse(
                 for event in fmt.error_events(400, f"{e.param}: {e.message}" if e.param else e.message):
                     yield event
                 return
+            if explain is not None:
+                yield f": {HEADER}: {await explain()}\n\n"
         for event in fmt.opening(rid, model, fmt.usage(gen.token_usage())):
             yield event
         async for d in gen.deltas():

@@ -27,6 +27,8 @@ ENDPOINTS = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/cache/stats",
+    "/v1/cache/explain",
+    "/v1/cache/pin",
 )
 
 

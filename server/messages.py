@@ -13,16 +13,17 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
+from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams, StructuredOutput
 from server import anthropic_protocol as a
 from server import protocol as p
-from server.core import ServerState, protocol_names, run, state_for, until_disconnect
+from server.core import ServerState, cache_salt, protocol_names, run, state_for, until_disconnect
 from server.errors import APIError, anthropic_error_body
 from server.generation import Delta, TokenUsage
 from server.structured import output_grammar
 from server.tools import ToolCalling, ToolCallStream
 
 router = APIRouter()
+MAX_BREAKPOINTS = 4  # blocks with cache_control in one request, as at Anthropic
 KEEPALIVE_S = 5.0  # a ping this often until the first token: clients with idle timeouts keep waiting
 CHOICES = {"any": "required", "auto": "auto", "none": "none"}  # Anthropic's tool_choice -> ToolCalling's
 
@@ -38,16 +39,26 @@ async def messages(body: a.MessagesRequest, request: Request):
         "max_tokens": "max_tokens",
         "structured_output": "tool_choice" if forced else "output_config.format",
     }
+    turns, owners = conversation_of(body)
+    template_tools = tools and tools.template_tools()
     with protocol_names(names):
         # only the prompt must fit: as at Anthropic (its newer models), an answer that reaches the end of
         # the context before max_tokens stops there, stop_reason "model_context_window_exceeded" (Claude
         # Code asks for 32000 tokens whatever the context)
-        prompt = await until_disconnect(request, lambda: build_prompt(st, body, tools, None))
+        prompt = await until_disconnect(request, lambda: st.prompts.chat(turns, None, template_tools))
         fits = len(prompt) + body.max_tokens <= st.max_model_len
-        params = sampling(body, structured, body.max_tokens if fits else None)
+        marks = breakpoints(body, turns, owners)
+        pins = await until_disconnect(request, lambda: pinned(st, turns, template_tools, prompt, marks))
+        salt = cache_salt(request, None)  # the API key's cache domain, as on the other protocols
+        params = sampling(body, structured, body.max_tokens if fits else None, pins, salt)
         fmt = MessagesFormat(tools, window_bound=not fits)
         stops = body.stop_sequences or []
-        return await run(request, st, fmt, [prompt], [[params]], stops, st.special_token_ids, body.stream)
+
+        def locate(token: int):
+            return st.prompts.message_at(turns, template_tools, prompt, token)
+
+        hidden = st.special_token_ids
+        return await run(request, st, fmt, [prompt], [[params]], stops, hidden, body.stream, locate=locate)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -92,7 +103,11 @@ def output(body: a.CountTokensRequest, tools: ToolCalling | None) -> StructuredO
 
 
 def sampling(
-    body: a.MessagesRequest, structured: StructuredOutput | None, max_tokens: int | None
+    body: a.MessagesRequest,
+    structured: StructuredOutput | None,
+    max_tokens: int | None,
+    pins: tuple[tuple[int, float], ...] = (),
+    salt: str | None = None,
 ) -> SamplingParams:
     """max_tokens None: up to the end of the context."""
     try:
@@ -102,6 +117,8 @@ def sampling(
             top_p=body.top_p,
             top_k=body.top_k,
             structured_output=structured,
+            pins=pins,
+            cache_salt=salt,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -114,23 +131,76 @@ async def build_prompt(
 
 
 def conversation(body: a.CountTokensRequest) -> list[p.ChatMessage]:
-    """The request as chat messages. The system prompt comes first (less Claude Code's billing header);
-    a user message's tool_result blocks become tool messages and its text blocks user messages, in their
-    order; an assistant message's tool_use blocks become its tool calls. Consecutive messages of one role
-    are one turn, as at Anthropic."""
+    return conversation_of(body)[0]
+
+
+def conversation_of(body: a.CountTokensRequest) -> tuple[list[p.ChatMessage], list[int]]:
+    """The request as chat messages, and for each the index of the request message it ends with (-1: the
+    system prompt). The system prompt comes first (less Claude Code's billing header); a user message's
+    tool_result blocks become tool messages and its text blocks user messages, in their order; an
+    assistant message's tool_use blocks become its tool calls. Consecutive messages of one role are one
+    turn, as at Anthropic."""
     if body.messages[-1].role == "assistant":
         raise APIError(
             400,
             "a last assistant message (prefill) is not supported: end with a user message",
             param="messages",
         )
-    turns = []
+    turns, owners = [], []
     system = body.system_text()
     if system is not None:
         turns.append(p.ChatMessage(role="system", content=system))
-    for m in body.messages:
-        turns += _assistant_turn(m) if m.role == "assistant" else _user_turns(m)
-    return _merged(turns)
+        owners.append(-1)
+    for i, m in enumerate(body.messages):
+        new = _assistant_turn(m) if m.role == "assistant" else _user_turns(m)
+        turns += new
+        owners += [i] * len(new)
+    return _merged(turns, owners)
+
+
+def breakpoints(
+    body: a.MessagesRequest, turns: list[p.ChatMessage], owners: list[int]
+) -> list[tuple[int, float]]:
+    """The request's cache_control breakpoints as (k, TTL): each pins the prompt up to the start of chat
+    message k. A block of the system prompt pins the system prompt; a tool, the system prompt and the tools
+    (chat templates render tools there, before the first message); a block of a message, through the end
+    of the turn that holds it; the request's own cache_control, the whole conversation."""
+    system = 1 if owners and owners[0] == -1 else 0
+    marks = []
+    for block in body.system if isinstance(body.system, list) and system else ():
+        if block.cache_control is not None:
+            marks.append((1, _ttl(block.cache_control)))
+    for tool in body.tools or ():
+        if tool.cache_control is not None:
+            marks.append((system, _ttl(tool.cache_control)))
+    for i, m in enumerate(body.messages):
+        for b in m.blocks():
+            if b.cache_control is not None:
+                turn = next(t for t, owner in enumerate(owners) if owner >= i)  # merged into a later one
+                marks.append((turn + 1, _ttl(b.cache_control)))
+    if body.cache_control is not None:
+        marks.append((len(turns), _ttl(body.cache_control)))
+    if len(marks) > MAX_BREAKPOINTS:
+        raise APIError(
+            400,
+            f"cache_control: at most {MAX_BREAKPOINTS} blocks may have cache_control, found {len(marks)}",
+            param="cache_control",
+        )
+    return marks
+
+
+async def pinned(
+    st: ServerState, turns: list[p.ChatMessage], tools: list[dict] | None, prompt: list[int], marks: list
+) -> tuple[tuple[int, float], ...]:
+    """The breakpoints as the engine's pins: (prompt tokens before message k, TTL) each."""
+    if not marks:
+        return ()
+    ends = await st.prompts.message_ends(turns, tools, prompt, [k for k, _ in marks])
+    return tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, marks, strict=True) if tokens > 0)
+
+
+def _ttl(control: a.CacheControl) -> float:
+    return TTL_MAX_S if control.ttl == "1h" else TTL_DEFAULT_S
 
 
 def _assistant_turn(m: a.Message) -> list[p.ChatMessage]:
@@ -163,16 +233,19 @@ def _user_turns(m: a.Message) -> list[p.ChatMessage]:
     return turns
 
 
-def _merged(turns: list[p.ChatMessage]) -> list[p.ChatMessage]:
+def _merged(turns: list[p.ChatMessage], owners: list[int]) -> tuple[list[p.ChatMessage], list[int]]:
     out: list[p.ChatMessage] = []
-    for t in turns:
+    out_owners: list[int] = []
+    for t, owner in zip(turns, owners, strict=True):
         prev = out[-1] if out else None
         if prev is None or prev.role != t.role or t.role not in ("user", "assistant") or prev.tool_calls:
             out.append(t)
+            out_owners.append(owner)
             continue
         text = "\n\n".join(x for x in (prev.text(), t.text()) if x)
         out[-1] = p.ChatMessage(role=t.role, content=text, tool_calls=t.tool_calls)
-    return out
+        out_owners[-1] = owner
+    return out, out_owners
 
 
 # -- the response -------------------------------------------------------------------------------------------

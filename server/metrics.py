@@ -19,6 +19,12 @@ _GAUGES = (
     ("minivllm_pages_free", "KV pages free", "pages_free"),
     ("minivllm_pages_cached", "KV pages cached (published, unreferenced)", "pages_cached"),
     ("minivllm_pages_in_use", "KV pages referenced by requests", "pages_in_use"),
+    (
+        "minivllm_pages_pinned",
+        "KV pages pinned (cache_control, /v1/cache/pin): never evicted",
+        "pages_pinned",
+    ),
+    ("minivllm_pins", "Pins held (each a prompt prefix, until its TTL)", "pins"),
     ("minivllm_kv_disk_pages", "KV pages on the disk tier", "kv_disk_pages"),
     ("minivllm_kv_disk_bytes", "Bytes the disk tier's page files occupy", "kv_disk_bytes"),
     ("minivllm_kv_disk_capacity_bytes", "The disk tier's budget in bytes", "kv_disk_capacity_bytes"),
@@ -52,6 +58,18 @@ _COUNTERS = (
         "minivllm_pages_unreachable",
         "Cached KV pages freed because a page of their prefix was evicted (0 under a prefix-aware policy)",
         "pages_unreachable",
+    ),
+    ("minivllm_pins_made", "Prompt prefixes pinned", "pins_made"),
+    (
+        "minivllm_pins_refreshed",
+        "Pins refreshed by a hit on their whole prefix or a pin of it",
+        "pins_refreshed",
+    ),
+    ("minivllm_pins_expired", "Pins released at the end of their TTL", "pins_expired"),
+    (
+        "minivllm_pins_given_way",
+        "Pins released before their TTL to make room for newer ones (pins hold at most half the pool)",
+        "pins_given_way",
     ),
     ("minivllm_preemptions", "Requests preempted for lack of pages", "preemptions"),
     (

@@ -14,7 +14,9 @@ are plain text around the FIM tokens the server writes.
 """
 
 import asyncio
+import bisect
 import inspect
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -94,13 +96,34 @@ class PromptBuilder:
     ) -> list[int]:
         """tools: the request's tools, for the template to render (None: no tools in the prompt); for a
         template without a tool-call format, the server renders them, and past calls and results, itself."""
+        turns, tools = self._turns(messages, tools)
+        return await self._off_loop(self._chat_ids, turns, max_tokens, tools)
+
+    def _turns(
+        self, messages: list[p.ChatMessage], tools: list[dict] | None
+    ) -> tuple[list[dict], list[dict] | None]:
+        """The messages as template turns, and the tools for the template (see chat)."""
         turns = conversation(messages)
         for turn in turns:
             if turn["role"] == "developer":
                 turn["role"] = self.developer_role
         if not self.tokenizer.has_tool_calling:
             turns, tools = generic_tools.render(turns, tools), None
-        return await self._off_loop(self._chat_ids, turns, max_tokens, tools)
+        return turns, tools
+
+    async def message_at(
+        self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], token: int
+    ) -> int | None:
+        """The index of the message whose templated text holds prompt token `token` (ids: the prompt
+        chat() made of these messages); None if the template cannot render a part of the conversation."""
+        return await self._off_loop(self._message_at, *self._turns(messages, tools), ids, token)
+
+    async def message_ends(
+        self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], ends: list[int]
+    ) -> list[int]:
+        """For each k in ends, the prompt tokens before message k (k = len(messages): the whole
+        conversation, less the generation prompt); 0 where the template cannot render a part of it."""
+        return await self._off_loop(self._message_ends, *self._turns(messages, tools), ids, ends)
 
     async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:
         """A string, a list of token ids, or a list of either (several prompts)."""
@@ -151,6 +174,41 @@ class PromptBuilder:
         return self.tokenizer.apply_chat_template(
             turns, tools=tools, add_generation_prompt=True, tokenize=False
         )
+
+    # Where messages start: message k starts where the rendering of the first k messages (no generation
+    # prompt) stops agreeing with the whole rendering; character offsets and token offsets convert through
+    # the prompt's text, decoded once in chunks (TextOffsets). Only when asked: a miss, or breakpoints.
+    def _message_at(
+        self, turns: list[dict], tools: list[dict] | None, ids: list[int], token: int
+    ) -> int | None:
+        try:
+            full = self._render(turns, tools)
+            char = TextOffsets(self.tokenizer.decode, ids).char_of(token)
+            lo, hi = 0, len(turns) - 1  # the last message starting at or before char
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._start(turns, tools, mid, full) <= char:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+        except Exception:  # a template that refuses a part of the conversation: no index
+            return None
+
+    def _message_ends(self, turns: list[dict], tools: list[dict] | None, ids: list[int], ends: list[int]):
+        try:
+            full = self._render(turns, tools)
+            offsets = TextOffsets(self.tokenizer.decode, ids)
+            return [offsets.tokens_before(self._start(turns, tools, k, full)) for k in ends]
+        except Exception:
+            return [0] * len(ends)
+
+    def _start(self, turns: list[dict], tools: list[dict] | None, k: int, full: str) -> int:
+        """Characters of the whole rendering before message k."""
+        part = self.tokenizer.apply_chat_template(
+            turns[:k], tools=tools, add_generation_prompt=False, tokenize=False
+        )
+        return len(part) if full.startswith(part) else len(os.path.commonprefix([part, full]))
 
     def _holds_control_strings(self, *values) -> bool:
         return self.control_strings is not None and any(map(self.control_strings.search, _strings(*values)))
@@ -235,6 +293,48 @@ class PromptBuilder:
         starts = range(0, len(text), NORMALIZED_PIECE)
         pieces = sum(len(self.normalizer.normalize_str(text[i : i + NORMALIZED_PIECE])) for i in starts)
         return pieces - CHANGED_ACROSS_A_CUT * max(0, len(starts) - 1)
+
+
+class TextOffsets:
+    """Where a prompt's tokens fall in its text. The text's length up to each chunk of tokens comes from
+    decoding the chunks once (decoding every prefix probed would cost a whole decode each); a chunk ends
+    on a whole character (a cut inside one would count it twice, as U+FFFD); within a chunk a probe
+    decodes at most a chunk."""
+
+    CHUNK = 256
+    MAX_CHARACTER_TOKENS = 8  # tokens a chunk may grow by to end on a whole character
+
+    def __init__(self, decode: Callable[[list[int]], str], ids: list[int], chunk: int = CHUNK):
+        self.decode = decode
+        self.ids = ids
+        self.bounds = [0]  # each chunk's first token, and the end
+        self.starts = [0]  # characters before each chunk, and in all
+        while self.bounds[-1] < len(ids):
+            i = self.bounds[-1]
+            j = min(i + chunk, len(ids))
+            text = decode(ids[i:j])
+            while text.endswith("\ufffd") and j < min(len(ids), i + chunk + self.MAX_CHARACTER_TOKENS):
+                j += 1
+                text = decode(ids[i:j])
+            self.bounds.append(j)
+            self.starts.append(self.starts[-1] + len(text))
+
+    def char_of(self, token: int) -> int:
+        """Characters of the text before token `token`."""
+        c = bisect.bisect_right(self.bounds, token) - 1
+        return self.starts[c] + len(self.decode(self.ids[self.bounds[c] : token]))
+
+    def tokens_before(self, char: int) -> int:
+        """The most tokens whose text is at most char characters long."""
+        c = min(max(0, bisect.bisect_right(self.starts, char) - 1), len(self.bounds) - 1)
+        lo, hi = self.bounds[c], self.bounds[min(c + 1, len(self.bounds) - 1)]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.char_of(mid) <= char:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 def _strings(*values) -> Iterator[str]:

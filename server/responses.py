@@ -60,7 +60,12 @@ async def responses(body: ResponsesRequest, request: Request):
             e.param = "input" if e.param == "messages" else e.param
             raise
         fmt = ResponsesFormat(body, calling)
-        return await generate(request, st, fmt, body, [prompt], body.max_output_tokens, None, structured)
+
+        def locate(token: int):
+            return st.prompts.message_at(messages, tools, prompt, token)
+
+        max_tokens = body.max_output_tokens
+        return await generate(request, st, fmt, body, [prompt], max_tokens, None, structured, locate)
 
 
 def tool_calling(body: ResponsesRequest, tokenizer) -> ToolCalling | None:

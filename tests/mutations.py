@@ -43,6 +43,7 @@ KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
 RUNNER = "minivllm/engine/model_runner.py"
 SPECULATIVE_TESTS = ("tests/test_speculative.py",)
+PINS_TESTS = ("tests/test_pins.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -686,6 +687,63 @@ MUTATIONS = [
         "room = min(share, self.kv.free_room(seq) - len(seq.token_ids))",
         "room = share",
         SPECULATIVE_TESTS,
+    ),
+    # -- pins, and why a prompt missed ----------------------------------------------------------------------
+    Mutation(
+        "messages-without-key-domain",
+        "Anthropic Messages requests share one cache domain whatever their API key",
+        "server/messages.py",
+        "salt = cache_salt(request, None)",
+        "salt = None",
+        ("tests/test_cache_isolation.py",),
+    ),
+    Mutation(
+        "pinned-pages-evictable",
+        "the allocator may evict a pinned page",
+        "minivllm/cache/page_pool.py",
+        "self.refcount[self.index[h]] == 0 and h not in self.pinned)",
+        "self.refcount[self.index[h]] == 0)",
+        PINS_TESTS,
+    ),
+    Mutation(
+        "pins-not-refreshed",
+        "a restore of a pinned prefix does not start its TTL again",
+        KV_MANAGER,
+        "        self.pins.refresh(seq.full_page_hashes(self.page_size)[: len(hits)])\n",
+        "",
+        PINS_TESTS,
+    ),
+    Mutation(
+        "pins-unbounded",
+        "pins hold more than half the pool: the oldest never give way",
+        "minivllm/cache/pins.py",
+        "while self._pins and self.num_pages + new > self.limit:",
+        "while False:",
+        PINS_TESTS,
+    ),
+    Mutation(
+        "disk-deletes-pinned-pages",
+        "the disk tier's budget deletes pinned pages",
+        "minivllm/cache/disk_tier.py",
+        "if keep and e in self._pinned and record is not None:",
+        "if False:",
+        PINS_TESTS,
+    ),
+    Mutation(
+        "miss-always-new",
+        "a page evicted lately is reported as new content",
+        KV_MANAGER,
+        "if hashes[found] in self.pool.evicted:",
+        "if False:",
+        PINS_TESTS + ("tests/test_cache_api.py",),
+    ),
+    Mutation(
+        "miss-message-off-by-one",
+        "the message holding a miss is the one after it",
+        "server/prompts.py",
+        "            return lo\n",
+        "            return lo + 1\n",
+        ("tests/test_cache_api.py",),
     ),
 ]
 

@@ -1,6 +1,7 @@
 """Prefix-cache isolation: a prompt cached in one domain (an API key, a cache_salt) is never restored in
 another, so cached_tokens cannot reveal another client's prompt; within a domain the cache works as ever."""
 
+import httpx
 import pytest
 
 from minivllm import LLM, SamplingParams
@@ -28,6 +29,23 @@ def test_a_prompt_cached_for_one_key_is_not_restored_for_another(keyed):
     assert cached(bob, SECRET) == 0  # bob's guess of alice's prompt: no hit
     assert cached(alice, SECRET) > 0  # alice's own cache still works
     assert cached(bob, SECRET) > 0  # and bob now has his own copy
+    keyed.wait_idle()
+
+
+def test_anthropic_messages_are_isolated_by_key_too(keyed):
+    def cached_message(key: str) -> int:
+        body = {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": SECRET + "(messages)"}],
+        }
+        r = httpx.post(keyed.url + "/v1/messages", json=body, headers={"x-api-key": key}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["cache_read_input_tokens"]
+
+    assert cached_message("alice-key") == 0
+    assert cached_message("bob-key") == 0
+    assert cached_message("alice-key") > 0
     keyed.wait_idle()
 
 

@@ -67,6 +67,8 @@ def _events(server, body: dict) -> list[tuple[str, dict]]:
     events = []
     for frame in text.split("\n\n"):
         if frame:
+            if frame.startswith(":"):  # an SSE comment (the prefix-cache report)
+                continue
             event, data = frame.split("\n")
             assert event.startswith("event: ") and data.startswith("data: ")
             payload = json.loads(data[len("data: ") :])

@@ -13,7 +13,9 @@ bytes the engine hands it and hands them back; it knows nothing of MLX.
   layout, truncated ones and leftover temporary files are deleted. A page's checksum is verified when it
   is read; a corrupt one is deleted and the request computes it instead.
 - The budget: the tier never holds more files than fit in capacity_bytes, counted in allocated blocks;
-  the policy (EVICTION, the class the trace replay runs) picks which page to delete.
+  the policy (EVICTION, the class the trace replay runs) picks which page to delete. A page pinned in the
+  RAM pool (`pin`, minivllm.cache.pins) is not deleted while pinned: the policy is given it back as a use
+  and evicts another (unless pins would fill the whole budget).
 - One process per directory: an exclusive flock on `<dir>/lock`, else DiskTierBusy.
 """
 
@@ -117,6 +119,7 @@ class DiskTier:
         self.policy = make_policy(EVICTION, capacity_pages)
         self.counters = DiskCounters()
         self._index: dict[bytes, PageRecord] = {}  # pages whose file is in place
+        self._pinned: set[bytes] = set()  # pages pinned in the RAM pool: kept while they are
         self._mutex = threading.Lock()  # index, policy, counters, pending bytes: shared with the threads
         self._read_done = threading.Condition(self._mutex)
         self._pending_bytes = 0
@@ -230,13 +233,35 @@ class DiskTier:
             self.counters.pages_written += 1
 
     def _evict_for(self, h: bytes, parent: bytes | None) -> list[bytes]:
-        """Admit h to the policy (mutex held); the pages it evicts, unindexed, for the caller to delete."""
-        evicted = self.policy.access(h, parent)
-        self.policy.release(h)  # nothing pins a page on disk: a read copies it out
-        for e in evicted:
+        """Admit h to the policy (mutex held); the pages it evicts, unindexed, for the caller to delete. A
+        pinned page the policy gives up is given back to it as a use (it evicts another in turn)."""
+        pending = self._use(h, parent)
+        evicted = []
+        keep = len(self._pinned) < self.policy.capacity  # else protecting them could never end
+        while pending:
+            e = pending.pop(0)
+            record = self._index.get(e)
+            if keep and e in self._pinned and record is not None:
+                pending += self._use(e, record.parent)
+                continue
             self._index.pop(e, None)
+            evicted.append(e)
         self.counters.pages_evicted += len(evicted)
         return evicted
+
+    def _use(self, h: bytes, parent: bytes | None) -> list[bytes]:
+        evicted = self.policy.access(h, parent)
+        self.policy.release(h)  # a read copies the page out: no request holds a file
+        return evicted
+
+    def pin(self, hashes: list[bytes]) -> None:
+        """Keep these pages' files (those on disk, and those written later) until unpinned."""
+        with self._mutex:
+            self._pinned.update(hashes)
+
+    def unpin(self, hashes: list[bytes]) -> None:
+        with self._mutex:
+            self._pinned.difference_update(hashes)
 
     def _delete(self, hashes: list[bytes]) -> None:
         for h in hashes:

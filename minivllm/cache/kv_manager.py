@@ -13,8 +13,15 @@ stops: admission allocates pool pages for the pages found there and starts readi
 and then they are published and count as cached. Every page published is also handed to the disk's writer
 after the step (`write_behind`). The KV bytes move between the pools and numpy on the engine's side (the
 callbacks): nothing here touches MLX.
+
+Pins (minivllm.cache.pins) keep a prefix cached for a TTL: the pool never evicts a pinned page. A request
+that asks for pins (SamplingParams.pins) pins its published prompt prefixes when it ends; a restore of a
+pinned prefix refreshes its pin. With a disk tier, pinned pages are also written to disk (if the disk lacks
+them), and the disk keeps them while they are pinned. At a request's first admission its restore is
+explained: where it stopped short, and why (PrefixMiss).
 """
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +31,7 @@ import numpy as np
 from minivllm.cache.disk_tier import DiskRead, DiskTier, PageRecord
 from minivllm.cache.eviction import make_policy
 from minivllm.cache.page_pool import PagePool, PoolCounters
+from minivllm.cache.pins import PinChange, PinCounters, PinInfo, Pins
 
 if TYPE_CHECKING:  # the engine's request state: page_table, token_ids, num_computed_tokens, ...
     from minivllm.engine.sequence import Sequence
@@ -48,6 +56,14 @@ class DiskRestore:
     read: DiskRead
 
 
+@dataclass(frozen=True)
+class PrefixMiss:
+    """Why a prompt restored less than it could: the first page of it the cache did not hold."""
+
+    token: int  # the first token that differs from the cached prompts (new), or the page's first (evicted)
+    reason: str  # "evicted": cached once and given up lately; "new": never cached (or long ago); "off"
+
+
 @dataclass
 class PageWrite:
     """A page published in this step, to be copied to disk after it."""
@@ -64,12 +80,15 @@ class KVManager:
         eviction: str,
         enable_prefix_caching: bool = True,
         disk: DiskTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.num_pages = num_pages
         self.page_size = page_size
         self.eviction = eviction
         self.enable_prefix_caching = enable_prefix_caching
+        self.clock = clock  # the pins' TTLs run on it
         self.pool = self._new_pool(PoolCounters())
+        self.pins = self._new_pins(PinCounters())
         self.disk = disk
         self.restores: dict[Sequence, DiskRestore] = {}  # requests waiting for pages from disk
         self._disk_writes: list[PageWrite] = []
@@ -78,6 +97,11 @@ class KVManager:
         pool = PagePool(self.num_pages, self.page_size, make_policy(self.eviction, self.num_pages))
         pool.counters = counters
         return pool
+
+    def _new_pins(self, counters: PinCounters) -> Pins:
+        pins = Pins(self.num_pages // 2, self.clock)  # half the pool: pins never starve running requests
+        pins.counters = counters
+        return pins
 
     # -- questions ------------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -133,17 +157,57 @@ class KVManager:
         restoring until apply_restores."""
         hits = self._cached_prefix(seq)
         need = self.pages_for(len(seq.token_ids)) - len(hits)
-        taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0)  # acquiring un-caches them
+        self._unblock(hits, need)
+        # acquiring un-caches them (pinned ones were not counted as available)
+        taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0 and not self.pool.is_idle_pin(p))
         if need > self.num_available() - taken_off_cache:
             return None
+        on_disk = self._on_disk(seq, len(hits))
+        if seq.num_admissions == 0:  # before the allocation evicts what the prompt is compared with
+            seq.prefix_miss = self._miss(seq, len(hits) + len(on_disk))
         self.pool.acquire(hits)
+        self.pins.refresh(seq.full_page_hashes(self.page_size)[: len(hits)])
         seq.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
         seq.num_computed_tokens = len(hits) * self.page_size
         seq.publish_cursor = len(hits)
-        on_disk = self._on_disk(seq, len(hits))
         if on_disk:
             self.restores[seq] = DiskRestore(seq, len(hits), self.disk.read(on_disk))
         return seq.num_computed_tokens
+
+    def _unblock(self, hits: list[int], need: int) -> None:
+        """Pins never keep a request out for good: while it could not fit even with every unpinned page
+        free (hits and need new pages), the least recently refreshed pins give way."""
+        if len(hits) + need <= self.num_pages - self.pins.num_pages:
+            return  # fits beside every pin (the common case: no count of pinned hits)
+        hit = set(hits)
+        while self.pins.num_pins:
+            blocking = sum(1 for h in self.pool.pinned if self.pool.index[h] not in hit)
+            if len(hits) + need <= self.num_pages - blocking:
+                return
+            self._unpin(self.pins.give_way())
+
+    def _miss(self, seq: "Sequence", found: int) -> PrefixMiss | None:
+        """Why seq's restore stops at page `found` (RAM and disk together), or None if it restores all
+        it may. A page the pool evicted lately is "evicted" (a bounded memory: long ago counts as new)."""
+        if found >= self._restorable_pages(seq):
+            return None
+        if not self.enable_prefix_caching:
+            return PrefixMiss(0, "off")
+        hashes = seq.full_page_hashes(self.page_size)
+        if hashes[found] in self.pool.evicted:
+            return PrefixMiss(found * self.page_size, "evicted")
+        return PrefixMiss(self._divergence(seq, found, hashes), "new")
+
+    def _divergence(self, seq: "Sequence", found: int, hashes: list[bytes]) -> int:
+        """The first token of page `found` that no cached continuation of the pages before it has: where
+        seq's prompt differs from the cached ones (the page's start if nothing continues them)."""
+        start = found * self.page_size
+        mine = seq.token_ids[start : start + self.page_size]
+        same = 0
+        for child in self.pool.children.get(hashes[found - 1], ()) if found else ():
+            theirs = self.pool.page_tokens[self.pool.index[child]]
+            same = max(same, next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine)))
+        return start + same
 
     def is_restoring(self, seq: "Sequence") -> bool:
         return seq in self.restores
@@ -223,11 +287,52 @@ class KVManager:
                 # (Anthropic's usage counts it as cache creation)
                 if end <= seq.num_prompt_tokens:
                     seq.num_published_prompt_tokens += self.page_size
-                if self.disk is not None:
-                    self._disk_writes.append(
-                        PageWrite(seq.page_table[i], PageRecord(hashes[i], parent, tuple(tokens)))
-                    )
+                self._write_to_disk(seq, i, seq.page_table[i])
         seq.publish_cursor = max(seq.publish_cursor, full)
+
+    def _write_to_disk(self, seq: "Sequence", i: int, page: int) -> None:
+        """Queue page i of seq's tokens, held by pool page `page`, for the disk tier (written after the
+        step, if the disk lacks it)."""
+        if self.disk is None:
+            return
+        hashes = seq.full_page_hashes(self.page_size)
+        tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+        record = PageRecord(hashes[i], hashes[i - 1] if i else None, tokens)
+        self._disk_writes.append(PageWrite(page, record))
+
+    # -- pins -----------------------------------------------------------------------------------------
+    def pin(self, seq: "Sequence") -> None:
+        """Pin the prompt prefixes seq asked for (params.pins: tokens, TTL), as far as they are published;
+        seq.pins says what each got. Called before seq releases its pages."""
+        for tokens, ttl_s in seq.params.pins:
+            n = min(tokens, seq.num_prompt_tokens) // self.page_size
+            hashes = seq.full_page_hashes(self.page_size)[:n]
+            pages = self.pool.lookup(hashes, seq.token_ids, min(n, self.pins.limit))
+            kept = hashes[: len(pages)]
+            self._pin_change(self.pins.add(kept, ttl_s))
+            for i, page in enumerate(pages):  # the disk tier's budget may still evict them later
+                self._write_to_disk(seq, i, page)
+            left = self.pins.remaining_s(kept[-1]) if kept else 0.0
+            seq.pins.append(PinInfo(len(kept) * self.page_size, len(kept), left))
+
+    def expire_pins(self) -> None:
+        """Release the pins whose TTL is up (the engine calls it every step)."""
+        self._unpin(self.pins.expire())
+
+    def _pin_change(self, change: PinChange) -> None:
+        self._unpin(change.unpinned)
+        self.pool.pin(change.pinned)
+        if self.disk is not None:
+            self.disk.pin(change.pinned)
+
+    def _unpin(self, hashes: list[bytes]) -> None:
+        self.pool.unpin(hashes)
+        if self.disk is not None:
+            self.disk.unpin(hashes)
+
+    @property
+    def pin_counters(self) -> PinCounters:
+        return self.pins.counters
 
     def write_behind(self, read_pages: Callable[[list[int]], np.ndarray]) -> None:
         """Hand the pages published since the last call, and not on disk yet, to the disk's writer:
@@ -262,9 +367,13 @@ class KVManager:
         for seq in list(self.restores):
             self._cancel_restore(seq)
         self._disk_writes = []
+        if self.disk is not None:
+            self.disk.unpin(self.pins.clear())  # the pins go with the pool
         self.pool = self._new_pool(self.pool.counters)
+        self.pins = self._new_pins(self.pins.counters)
 
     def clear_cache(self) -> None:
+        self._unpin(self.pins.clear())
         self.pool.clear_cache()
 
     def disk_stats(self) -> dict:

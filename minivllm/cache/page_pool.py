@@ -8,15 +8,22 @@ The eviction policy (minivllm.cache.eviction, the same classes the trace replay 
 by hash and decides which cached page to give up. The pool tells it every use (`access` with the page's
 parent: a hit or a publication) and every page that stops being used (`release`, a request's pages tail
 first), and asks it for a victim only when an allocation finds no free page.
+
+Pinned pages (minivllm.cache.pins decides which) are cached pages no allocation may take: the pool skips
+them when it asks the policy for a victim, through the policy's own `can_evict` hook, so pins compose
+with every policy, and does not count them as available. The pool also remembers the hashes of the pages
+it evicted lately (a bounded memory), so that a lookup that stops can tell an evicted page from new content.
 """
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from minivllm.cache.eviction import EvictionPolicy
 from minivllm.cache.free_pages import FreePages
 
 logger = logging.getLogger(__name__)
+EVICTED_MEMORY = 4  # evicted hashes remembered, in pools' sizes
 
 
 class OutOfPages(RuntimeError):
@@ -45,6 +52,9 @@ class PagePool:
         self.parent: dict[bytes, bytes | None] = {}  # published hash -> the published hash of the page before
         self.children: dict[bytes, set[bytes]] = {}  # published hash -> published hashes of the next pages
         self.num_cached = 0  # published pages with refcount 0
+        self.pinned: set[bytes] = set()  # published hashes no allocation may evict
+        self.num_pinned_cached = 0  # pinned pages with refcount 0
+        self.evicted: OrderedDict[bytes, None] = OrderedDict()  # hashes evicted lately, oldest first
         self.counters = PoolCounters()
 
     # -- counts -------------------------------------------------------------------------------------
@@ -57,8 +67,12 @@ class PagePool:
         return self.num_pages - self.num_free - self.num_cached
 
     def num_available(self) -> int:
-        """Pages an allocation can get now: free ones plus cached ones it may evict."""
-        return self.num_free + self.num_cached
+        """Pages an allocation can get now: free ones plus cached ones it may evict (not pinned ones)."""
+        return self.num_free + self.num_cached - self.num_pinned_cached
+
+    def is_idle_pin(self, page: int) -> bool:
+        """A cached page that is pinned: not available, and acquiring it takes nothing off what is."""
+        return self.refcount[page] == 0 and self.page_hash[page] in self.pinned
 
     # -- lookup and sharing ---------------------------------------------------------------------------
     def lookup(self, hashes: list[bytes], token_ids: list[int], max_pages: int) -> list[int]:
@@ -79,6 +93,7 @@ class PagePool:
     def acquire(self, pages: list[int]) -> None:
         """Share a published prefix (pages from page 0) with a request: the policy counts a use of each."""
         for page in pages:
+            self.num_pinned_cached -= self.is_idle_pin(page)
             self.num_cached -= self.refcount[page] == 0
             self.refcount[page] += 1
             h = self.page_hash[page]
@@ -96,7 +111,21 @@ class PagePool:
                     self.free.add(page)
                 else:
                     self.num_cached += 1
+                    self.num_pinned_cached += h in self.pinned
                     self.policy.release(h)
+
+    # -- pins -----------------------------------------------------------------------------------------
+    def pin(self, hashes: list[bytes]) -> None:
+        """These published pages may not be evicted until unpinned."""
+        for h in hashes:
+            assert h in self.index and h not in self.pinned, "pinned a page that is not published, or twice"
+            self.pinned.add(h)
+            self.num_pinned_cached += self.refcount[self.index[h]] == 0
+
+    def unpin(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.num_pinned_cached -= self.is_idle_pin(self.index[h])
+            self.pinned.remove(h)
 
     # -- allocation -----------------------------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None) -> list[int]:
@@ -104,8 +133,8 @@ class PagePool:
         if n > self.num_available():
             raise OutOfPages(f"need {n} pages, {self.num_available()} available")
         while len(self.free) < n:
-            victim = self.policy.evict(lambda h: self.refcount[self.index[h]] == 0)
-            assert victim is not None, "policy found no unreferenced cached page"
+            victim = self.policy.evict(lambda h: self.refcount[self.index[h]] == 0 and h not in self.pinned)
+            assert victim is not None, "policy found no unreferenced, unpinned cached page"
             self._drop(victim)
         pages = self.free.take(n, after)
         for page in pages:
@@ -134,9 +163,17 @@ class PagePool:
 
     # -- eviction -------------------------------------------------------------------------------------
     def _uncache(self, evicted: list) -> None:
-        """Pages the policy just evicted stop being published; the unused ones are free at once."""
-        for h in evicted:
-            if h in self.index:
+        """Pages the policy just evicted stop being published; the unused ones are free at once. A pinned
+        one stays: a policy that evicts on admission (S3FIFO) is given it back as a new use, which may
+        evict others in turn (pins are at most half the pool, so this ends on an unpinned page)."""
+        evicted = list(evicted)
+        while evicted:
+            h = evicted.pop(0)
+            if h in self.pinned:
+                evicted += self.policy.access(h, self.parent[h])
+                if self.refcount[self.index[h]] == 0:
+                    self.policy.release(h)
+            elif h in self.index:
                 self._drop(h)
 
     def _drop(self, h: bytes, count_orphans: bool = True) -> None:
@@ -148,7 +185,9 @@ class PagePool:
                 self.counters.pages_unreachable += count_orphans and self.refcount[self.index[child]] == 0
                 self._drop(child, count_orphans)
                 self.policy.remove(child)
+        assert h not in self.pinned, "a pinned page was evicted"
         page = self.index.pop(h)
+        self._remember_evicted(h)
         siblings = self.children.get(self.parent.pop(h))
         if siblings is not None:
             siblings.discard(h)
@@ -158,6 +197,12 @@ class PagePool:
         if self.refcount[page] == 0:
             self.num_cached -= 1
             self.free.add(page)
+
+    def _remember_evicted(self, h: bytes) -> None:
+        self.evicted[h] = None
+        self.evicted.move_to_end(h)
+        if len(self.evicted) > EVICTED_MEMORY * self.num_pages:
+            self.evicted.popitem(last=False)
 
     def clear_cache(self) -> None:
         """Forget every published page (their KV is gone); unused ones become free."""
@@ -180,6 +225,11 @@ class PagePool:
         cached = sum(1 for p in self.index.values() if self.refcount[p] == 0)
         assert cached == self.num_cached, f"cached count {self.num_cached} != {cached}"
         assert self.num_free + in_use + cached == self.num_pages
+        assert self.pinned <= self.index.keys(), "a pinned page is not published"
+        idle_pins = sum(1 for h in self.pinned if self.refcount[self.index[h]] == 0)
+        assert idle_pins == self.num_pinned_cached, (
+            f"pinned cached count {self.num_pinned_cached} != {idle_pins}"
+        )
         assert len(self.policy) == len(self.index), "the policy tracks pages the index does not"
         for h, page in self.index.items():
             assert self.page_hash[page] == h and h in self.policy, "index and policy disagree"

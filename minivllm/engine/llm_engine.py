@@ -15,8 +15,9 @@ from llguidance import LLMatcher
 
 from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.hash_stream import HashStream
-from minivllm.cache.kv_manager import KVManager
+from minivllm.cache.kv_manager import KVManager, PrefixMiss
 from minivllm.cache.page_file import TierIdentity
+from minivllm.cache.pins import PinInfo
 from minivllm.config import EngineConfig, default_kv_cache_bytes
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
 from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, LaunchedStep, ModelRunner
@@ -48,6 +49,8 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    prefix_miss: PrefixMiss | None = None  # where and why that restore stopped short, if it did
+    pins: list[PinInfo] = field(default_factory=list)  # what the request's pins got (its last output)
     num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
     num_pages_published: int = 0
     num_published_prompt_tokens: int = 0  # prompt tokens in the pages it published: cache it created
@@ -216,6 +219,7 @@ class LLMEngine:
         self.scheduler.step_seqs = list(step.seqs) if step else []
         try:
             if step is None:
+                self.kv.expire_pins()
                 self._apply_disk_restores()
                 scheduled = self.scheduler.schedule()
                 step = self.runner.launch(scheduled.seqs, scheduled.num_tokens) if scheduled else None
@@ -294,6 +298,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            prefix_miss=seq.prefix_miss,
+            pins=list(seq.pins),
             num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
             num_pages_published=seq.num_pages_published,
             num_published_prompt_tokens=seq.num_published_prompt_tokens,
@@ -328,6 +334,12 @@ class LLMEngine:
             "pages_unreachable": p.pages_unreachable,
             "pages_restored": p.pages_restored,
             "pages_from_disk": p.pages_from_disk,
+            "pages_pinned": self.kv.pins.num_pages,
+            "pins": self.kv.pins.num_pins,
+            "pins_made": self.kv.pin_counters.pins_made,
+            "pins_refreshed": self.kv.pin_counters.pins_refreshed,
+            "pins_expired": self.kv.pin_counters.pins_expired,
+            "pins_given_way": self.kv.pin_counters.pins_given_way,
             "steps": self.num_steps,
             "steps_ahead": self.num_steps_ahead,
             "spec_draft_tokens": self.scheduler.spec_counters.draft_tokens,

@@ -407,6 +407,7 @@ class Scheduler:
         if reason in ("stop", "length"):
             self.kv.publish(seq)
         seq.draft.log(seq.request_id)
+        self.kv.pin(seq)  # what it published of the prefixes it asked to pin, before its pages go
         self.kv.release(seq)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)

@@ -5,7 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from minivllm.cache.kv_manager import PrefixMiss
 from minivllm.cache.page_hash import extend_page_hashes, root_hash
+from minivllm.cache.pins import PinInfo
 from minivllm.engine.ngram_draft import DraftState
 from minivllm.engine.sampling_params import SamplingParams
 
@@ -44,6 +46,8 @@ class Sequence:
     num_pages_published: int = 0  # pages this request made reusable, over all admissions
     num_published_prompt_tokens: int = 0  # prompt tokens of those pages (whole pages within the prompt)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
+    prefix_miss: PrefixMiss | None = None  # why that restore stopped short of the whole prompt, if it did
+    pins: list[PinInfo] = field(default_factory=list)  # what params.pins got, once the request ended
     num_computed_prompt_tokens: int = (
         0  # prompt tokens this request ran through the model, over all admissions
     )

@@ -1,0 +1,91 @@
+"""The prefix cache's own endpoints: POST /v1/cache/pin prefills a prompt and pins it (e.g. a long system
+prompt, before the first user arrives), and GET /v1/cache/explain returns the last requests' reports of
+what they restored and where and why their restore stopped (server.prefix_report). Both sit under /v1, so
+the API key guards them like every other route (server.gateway).
+"""
+
+import time
+import uuid
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams
+from server import protocol as p
+from server.core import ServerState, cache_salt, protocol_names, state_for, until_disconnect
+from server.errors import APIError
+from server.generation import Generation
+
+router = APIRouter()
+TTLS = {"5m": TTL_DEFAULT_S, "1h": TTL_MAX_S}
+
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None  # if given, the served model's id (else 404, as on the generation endpoints)
+    prompt: str | None = None  # a raw prompt, tokenized as /v1/completions does
+    messages: list[p.ChatMessage] | None = None  # a conversation, templated as /v1/chat/completions does
+    ttl: Literal["5m", "1h"] | int = "5m"  # Anthropic's TTLs, or seconds
+    cache_salt: str | None = Field(None, min_length=1)  # the cache domain, as on the generation endpoints
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages is required")
+        if not self.prompt and not self.messages:
+            raise ValueError("the prompt is empty")
+        return self
+
+    def ttl_s(self) -> float:
+        if isinstance(self.ttl, str):
+            return TTLS[self.ttl]
+        if not 0 < self.ttl <= TTL_MAX_S:
+            raise APIError(400, f"ttl: seconds must be in [1, {TTL_MAX_S:g}], got {self.ttl}", param="ttl")
+        return float(self.ttl)
+
+
+class PinResponse(BaseModel):
+    tokens: int  # the prompt's first tokens that are pinned (whole pages)
+    pages: int
+    prompt_tokens: int
+    ttl_s: float
+    expires_at: float  # Unix time, unless a hit refreshes the pin
+
+
+@router.post("/v1/cache/pin")
+async def pin(body: PinRequest, request: Request) -> PinResponse:
+    """Prefill the prompt (one token generated, then dropped) and pin its whole pages for the TTL."""
+    st: ServerState = request.app.state.server if body.model is None else state_for(request, body.model)
+    ttl_s = body.ttl_s()
+    names = {"prompt": "messages" if body.messages is not None else "prompt", "pins": "ttl"}
+    with protocol_names(names):
+        if body.messages is not None:
+            ids = await until_disconnect(request, lambda: st.prompts.chat(body.messages, 1))
+        else:
+            (ids,) = await until_disconnect(request, lambda: st.prompts.completion(body.prompt, 1))
+        salt = cache_salt(request, body.cache_salt)
+        params = SamplingParams(max_tokens=1, ignore_eos=True, pins=((len(ids), ttl_s),), cache_salt=salt)
+        gen = Generation(st.engine, f"pin-{uuid.uuid4().hex}", [ids], [[params]], [], st.metrics)
+        try:
+            await until_disconnect(request, gen.start)
+            await until_disconnect(request, gen.collect)
+        finally:
+            gen.close()
+    (pinned,) = gen.choices[0].last.pins
+    return PinResponse(
+        tokens=pinned.tokens,
+        pages=pinned.pages,
+        prompt_tokens=len(ids),
+        ttl_s=ttl_s,
+        expires_at=time.time() + pinned.ttl_s,
+    )
+
+
+@router.get("/v1/cache/explain")
+async def explain(request: Request) -> dict:
+    """The last requests' prefix-cache reports of each served model, oldest first (as their
+    x-minivllm-prefix-cache headers)."""
+    states: dict[str, ServerState] = request.app.state.models
+    return {"object": "list", "data": [r.as_dict() for st in states.values() for r in st.explained]}
