@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from minivllm.engine.async_engine import AsyncEngine
 from server import chat, completions, messages, responses, web
 from server import protocol as p
+from server.connections import quiet_accept_errors
 from server.core import ServerState
 from server.engine_client import EngineClient
 from server.errors import error_response, install_error_handlers
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         nonlocal settings
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
+        quiet_accept_errors(asyncio.get_running_loop())
         eng = engine or await asyncio.to_thread(AsyncEngine, settings.engine_config())
         owned = isinstance(eng, AsyncEngine) and not eng.is_running
         if owned:

@@ -36,7 +36,7 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         fmt = ChatFormat(st, body.logprobs, tools)
-        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured)
+        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured, names)
 
 
 class ChatFormat(OpenAIEvents):

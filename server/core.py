@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
-from minivllm.engine.validation import RequestError, check_context_length
+from minivllm.engine.validation import RequestError, check_request
 from server import protocol as p
 from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body
@@ -28,6 +28,9 @@ from server.prompts import PromptBuilder
 from server.settings import Settings
 
 MAX_CHOICES = 64
+# a keep-alive this often until a stream's first output: clients and proxies with idle timeouts wait out a
+# long prefill (OpenAI streams: an SSE comment; Anthropic's: a ping event)
+KEEPALIVE_S = 5.0
 
 
 @dataclass
@@ -124,7 +127,7 @@ class Format(Protocol):
 
     def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]: ...
 
-    def error_events(self, status: int, message: str) -> list[str]: ...
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]: ...
 
     def ping(self) -> str: ...
 
@@ -134,9 +137,10 @@ DONE = "data: [DONE]\n\n"
 
 class OpenAIEvents:
     """OpenAI's usage and stream framing, which chat and completions share: `data: <json>` chunks, the
-    usage chunk last when asked for, `data: [DONE]` at the end (after an error too)."""
+    usage chunk last when asked for, `data: [DONE]` at the end (after an error too); an SSE comment at
+    once and every KEEPALIVE_S until the first output."""
 
-    keepalive_s: float | None = None
+    keepalive_s: float | None = KEEPALIVE_S
 
     def usage(self, counts: TokenUsage) -> dict:
         return counts.openai()
@@ -151,8 +155,8 @@ class OpenAIEvents:
         usage_chunk = [_data(self.usage_chunk(rid, model, usage))] if include_usage else []
         return usage_chunk + [DONE]
 
-    def error_events(self, status: int, message: str) -> list[str]:
-        return [_data(error_body(status, message)), DONE]
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
+        return [_data(error_body(status, message, param=param)), DONE]
 
     def ping(self) -> str:
         return ": ping\n\n"  # an SSE comment: clients skip it
@@ -167,6 +171,7 @@ async def generate(
     max_tokens: int | None,
     logprobs: int | None,
     structured: StructuredOutput | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> Response:
     choices = len(prompts) * body.n
     if choices > MAX_CHOICES:
@@ -184,7 +189,9 @@ async def generate(
         sampling_params(body, max_tokens, logprobs, i * body.n, structured, salt) for i in range(len(prompts))
     ]
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
-    return await run(request, state, fmt, prompts, params, body.stop, hidden, body.stream, body.include_usage)
+    return await run(
+        request, state, fmt, prompts, params, body.stop, hidden, body.stream, body.include_usage, names
+    )
 
 
 async def run(
@@ -197,8 +204,10 @@ async def run(
     hidden: frozenset[int],
     stream: bool,
     include_usage: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> Response:
-    """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response."""
+    """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response. names: the
+    protocol's fields by engine parameter, for a refusal that comes after a stream's headers."""
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
     gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden)
     streaming = False
@@ -207,15 +216,15 @@ async def run(
             # the stream starts before the engine answers: what the request can be refused for up front
             # is refused here, as an HTTP error
             for prompt, plist in zip(prompts, params, strict=True):
-                check_context_length(state.max_model_len, len(prompt), plist[0].max_tokens)
+                vocab = state.engine.vocab_size
+                check_request(prompt, plist[0].max_tokens, plist[0].logit_bias, vocab, state.max_model_len)
             streaming = True
-            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage, started=False))
+            body = _stream_body(gen, fmt, rid, state.model_name, include_usage)
+            return GenerationStream(gen, _with_pings(gen, fmt, body, names or {}))
         await until_disconnect(request, gen.start)
         if stream:
             streaming = True  # from here the response closes gen
-            if hasattr(fmt, "events"):
-                return GenerationStream(gen, fmt.events(gen, rid, state.model_name))
-            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage))
+            return GenerationStream(gen, _stream_body(gen, fmt, rid, state.model_name, include_usage))
         per_choice = await until_disconnect(request, gen.collect)
         usage = fmt.usage(gen.token_usage())
         return JSONResponse(fmt.response(rid, state.model_name, per_choice, usage).model_dump())
@@ -245,24 +254,38 @@ class GenerationStream(StreamingResponse):
             self.gen.close()
 
 
-async def _sse(
-    gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool, started: bool = True
+def _stream_body(
+    gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
-    """The SSE body; if the client goes away, the generation is closed and this ends. started False: gen
-    starts here, with pings while it waits."""
+    """The SSE body of a started generation: the format's own events, or a chunk per delta."""
+    if hasattr(fmt, "events"):
+        return fmt.events(gen, rid, model)
+    return _sse(gen, fmt, rid, model, include_usage)
+
+
+async def _with_pings(
+    gen: Generation, fmt: Format, body: AsyncIterator[str], names: Mapping[str, str]
+) -> AsyncIterator[str]:
+    """Start gen with pings while it waits, then the body; a refusal ends the stream as its error events,
+    naming the request's field (names: as for protocol_names)."""
     try:
-        if not started:
-            try:
-                async for ping in _start_with_pings(gen, fmt.keepalive_s, fmt.ping):
-                    yield ping
-            except APIError as e:
-                for event in fmt.error_events(e.status, e.message):
-                    yield event
-                return
-            except RequestError as e:
-                for event in fmt.error_events(400, f"{e.param}: {e.message}" if e.param else e.message):
-                    yield event
-                return
+        try:
+            async for ping in _start_with_pings(gen, fmt.keepalive_s, fmt.ping):
+                yield ping
+        except (APIError, RequestError) as e:
+            refusal = named(e, names) if isinstance(e, RequestError) else e
+            for event in fmt.error_events(refusal.status, refusal.message, refusal.param):
+                yield event
+            return
+        async for event in body:
+            yield event
+    finally:
+        gen.close()
+
+
+async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body; if the client goes away, the generation is closed and this ends."""
+    try:
         for event in fmt.opening(rid, model, fmt.usage(gen.token_usage())):
             yield event
         async for d in gen.deltas():
@@ -320,12 +343,17 @@ def protocol_names(names: Mapping[str, str]):
     try:
         yield
     except RequestError as e:
-        field = names.get(e.param, e.param)
-        message = e.message
-        # the message names the field too (clients often show only the message), except OpenAI's own wording
-        if field and e.code != "context_length_exceeded" and not message.startswith(field):
-            message = f"{field}: {message}"
-        raise APIError(400, message, param=field, code=e.code) from None
+        raise named(e, names) from None
+
+
+def named(e: RequestError, names: Mapping[str, str]) -> APIError:
+    """The engine's refusal as a 400 naming the request's own field (names: engine parameter -> field)."""
+    field = names.get(e.param, e.param)
+    message = e.message
+    # the message names the field too (clients often show only the message), except OpenAI's own wording
+    if field and e.code != "context_length_exceeded" and not message.startswith(field):
+        message = f"{field}: {message}"
+    return APIError(400, message, param=field, code=e.code)
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable]):

@@ -16,14 +16,13 @@ from fastapi import APIRouter, Request
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
 from server import anthropic_protocol as a
 from server import protocol as p
-from server.core import ServerState, protocol_names, run, until_disconnect
+from server.core import KEEPALIVE_S, ServerState, protocol_names, run, until_disconnect
 from server.errors import APIError, anthropic_error_body
 from server.generation import Delta, TokenUsage
 from server.structured import output_grammar
 from server.tools import ToolCalling, ToolCallStream
 
 router = APIRouter()
-KEEPALIVE_S = 5.0  # a ping this often until the first token: clients with idle timeouts keep waiting
 CHOICES = {"any": "required", "auto": "auto", "none": "none"}  # Anthropic's tool_choice -> ToolCalling's
 
 
@@ -48,7 +47,9 @@ async def messages(body: a.MessagesRequest, request: Request):
         params = sampling(body, structured, body.max_tokens if fits else None)
         fmt = MessagesFormat(tools, window_bound=not fits)
         stops = body.stop_sequences or []
-        return await run(request, st, fmt, [prompt], [[params]], stops, st.special_token_ids, body.stream)
+        return await run(
+            request, st, fmt, [prompt], [[params]], stops, st.special_token_ids, body.stream, names=names
+        )
 
 
 @router.post("/v1/messages/count_tokens")
@@ -321,8 +322,8 @@ class MessagesFormat:
             _event({"type": "message_stop"}),
         ]
 
-    def error_events(self, status: int, message: str) -> list[str]:
-        return [_event(anthropic_error_body(status, message))]
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
+        return [_event(anthropic_error_body(status, message, param))]
 
     def ping(self) -> str:
         return _event({"type": "ping"})

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 
 from server import protocol as p
 from server.core import OpenAIEvents, ServerState, generate, protocol_names, until_disconnect
-from server.errors import APIError
+from server.errors import APIError, error_body
 from server.generation import Delta, Generation
 from server.responses_protocol import (
     FunctionChoice,
@@ -61,7 +61,9 @@ async def responses(body: ResponsesRequest, request: Request):
             e.param = "input" if e.param == "messages" else e.param
             raise
         fmt = ResponsesFormat(body, calling)
-        return await generate(request, st, fmt, body, [prompt], body.max_output_tokens, None, structured)
+        return await generate(
+            request, st, fmt, body, [prompt], body.max_output_tokens, None, structured, names
+        )
 
 
 def tool_calling(body: ResponsesRequest, tokenizer) -> ToolCalling | None:
@@ -236,6 +238,12 @@ class ResponsesFormat(OpenAIEvents):
             yield self._sse({"type": kind, "response": final.model_dump()})
         finally:
             gen.close()
+
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
+        """A refusal that comes after the stream's first ping: an `error` event."""
+        error = error_body(status, message, param=param)["error"]
+        event = {"type": "error", "code": error["type"], "message": error["message"], "param": error["param"]}
+        return [self._sse(event)]
 
     def _failure(self, rid: str, model: str, out: OutputItems, gen: Generation, d: Delta) -> dict:
         """An engine fault fails the response; an abort (the server shutting down) is an error event."""

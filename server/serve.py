@@ -9,6 +9,7 @@ import uvicorn
 
 from minivllm.cluster.routing import ROUTINGS, RoutingConfig
 from server.app import create_app
+from server.connections import uvicorn_config
 from server.settings import SettingsError, add_serve_arguments, settings_from_args
 
 
@@ -42,7 +43,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.replicas is None:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
+        app = create_app(settings)
+        config = uvicorn_config(app, settings, host=args.host, port=args.port, log_level=settings.log_level)
+        uvicorn.Server(config).run()
         return 0
     try:
         from server.cluster.app import run

@@ -361,6 +361,40 @@ MUTATIONS = [
         "return list(self.tools or ())",
         ("tests/test_responses.py", "-k", "built_in"),
     ),
+    Mutation(
+        "openai-streams-wait-for-the-first-token",
+        "an OpenAI stream sends nothing (no headers) until the first token",
+        "server/core.py",
+        "    keepalive_s: float | None = KEEPALIVE_S",
+        "    keepalive_s: float | None = None",
+        ("tests/test_keepalive.py",),
+    ),
+    Mutation(
+        "no-header-timeout",
+        "a connection that never finishes its headers is never closed",
+        "server/connections.py",
+        "            self.header_timer = self.loop.call_later(self.timeout, self.close)",
+        "            pass",
+        ("tests/test_connections.py", "-k", "timed_out"),
+    ),
+    Mutation(
+        "header-timeout-restarts",
+        "every byte of a trickled request restarts its header timer",
+        "server/connections.py",
+        "        if self.conn.their_state is h11.IDLE:  # its request's headers are not all here yet\n"
+        "            self._arm_header_timer()",
+        "        if self.conn.their_state is h11.IDLE:  # its request's headers are not all here yet\n"
+        "            self._cancel_header_timer()\n            self._arm_header_timer()",
+        ("tests/test_connections.py", "-k", "timed_out"),
+    ),
+    Mutation(
+        "idle-connections-hold-the-cap",
+        "a connection past the cap closes no idle one, so idle sockets lock out /health",
+        "server/connections.py",
+        "        min(others, key=lambda c: c.idle_since).close()\n        return True",
+        "        return False",
+        ("tests/test_connections.py", "-k", "lock_out"),
+    ),
     # -- the Anthropic Messages API --------------------------------------------------------------------------
     Mutation(
         "billing-header-in-the-prompt",

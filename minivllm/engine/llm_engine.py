@@ -23,7 +23,7 @@ from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, Launched
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence, TokenLogprob
-from minivllm.engine.validation import RequestError, check_context_length, check_logit_bias, check_prompt_ids
+from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
 from minivllm.models.loader import activation_dtype, load_model
@@ -186,9 +186,7 @@ class LLMEngine:
     def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Every rule a request must pass (minivllm.engine.validation); the params with max_tokens
         resolved (None: up to the context's end)."""
-        check_prompt_ids(token_ids, self.vocab_size)
-        check_context_length(self.max_model_len, len(token_ids), params.max_tokens)
-        check_logit_bias(params.logit_bias, self.vocab_size)
+        check_request(token_ids, params.max_tokens, params.logit_bias, self.vocab_size, self.max_model_len)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
         return params
