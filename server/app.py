@@ -72,7 +72,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
 
 def _state(settings: Settings, engine: EngineClient, metrics: Metrics) -> ServerState:
     tokenizer = engine.tokenizer
-    prompts = PromptBuilder(tokenizer, engine.max_model_len)
+    prompts = PromptBuilder(tokenizer, engine.max_model_len, long_lane=settings.prompt_lanes)
     return ServerState(
         settings,
         engine,

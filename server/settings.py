@@ -226,6 +226,15 @@ OPTIONS: tuple[Option, ...] = (
         "bytes of request bodies in flight at once, K/M/G suffixes allowed; past it requests get HTTP 429",
     ),
     Option(
+        "prompt_lanes",
+        "MINIVLLM_PROMPT_LANES",
+        bool,
+        _parse_bool,
+        True,
+        "template and tokenize long texts on a second thread with their own tokenizer copy, so short prompts "
+        "never wait behind them",
+    ),
+    Option(
         "max_connections",
         "MINIVLLM_MAX_CONNECTIONS",
         int,

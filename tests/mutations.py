@@ -395,6 +395,22 @@ MUTATIONS = [
         "        return False",
         ("tests/test_connections.py", "-k", "lock_out"),
     ),
+    Mutation(
+        "one-prompt-lane",
+        "long texts are templated and tokenized on the same worker as short ones",
+        "server/prompts.py",
+        "        builder = self.long if chars > LONG_TEXT_CHARS else self",
+        "        builder = self",
+        ("tests/test_prompt_lanes.py", "-k", "short_prompt"),
+    ),
+    Mutation(
+        "huge-text-tokenized-whole",
+        "a text far longer than the context is tokenized whole before it is refused",
+        "server/prompts.py",
+        "        if len(text) > room * TYPICAL_TOKEN_CHARS:",
+        "        if False:",
+        ("tests/test_prompt_lanes.py", "-k", "huge"),
+    ),
     # -- the Anthropic Messages API --------------------------------------------------------------------------
     Mutation(
         "billing-header-in-the-prompt",
