@@ -290,7 +290,7 @@ async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage
             yield event
         async for d in gen.deltas():
             if d.error:
-                for event in fmt.error_events(503 if d.finish_reason == "abort" else 500, d.error):
+                for event in fmt.error_events(d.error_status, d.error, d.error_param):
                     yield event
                 return
             if d.text or d.finish_reason or (fmt.logprobs and d.logprobs):

@@ -96,6 +96,12 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     stop_string: str | None = None  # with finish reason "stop": the stop string that matched, if one did
+    error_param: str | None = None  # an error the request's own input caused: that engine parameter (a 400)
+
+    @property
+    def error_status(self) -> int:
+        """The HTTP status of its error: the client's input, the server stopping it, or a fault."""
+        return 400 if self.error_param else 503 if self.finish_reason == "abort" else 500
 
 
 @dataclass
@@ -142,7 +148,7 @@ class Choice:
         if reason in ("error", "abort"):
             error = out.error or ("request aborted" if reason == "abort" else "request failed")
         self.done = reason is not None
-        return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string)
+        return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string, out.error_param)
 
 
 class Generation:
@@ -220,8 +226,10 @@ class Generation:
         """Wait for the whole output: the deltas of each choice. Raises APIError if one failed."""
         per_choice: list[list[Delta]] = [[] for _ in self.choices]
         async for d in self.deltas():
+            if d.error_param:  # the route names the request's own field
+                raise RequestError(d.error, param=d.error_param)
             if d.error:
-                raise APIError(503 if d.finish_reason == "abort" else 500, d.error)
+                raise APIError(d.error_status, d.error)
             per_choice[d.index].append(d)
         if self.closed:
             raise APIError(503, "request closed before it finished")

@@ -246,9 +246,17 @@ class ResponsesFormat(OpenAIEvents):
         return [self._sse(event)]
 
     def _failure(self, rid: str, model: str, out: OutputItems, gen: Generation, d: Delta) -> dict:
-        """An engine fault fails the response; an abort (the server shutting down) is an error event."""
+        """An engine fault fails the response; an abort (the server shutting down) or a grammar past the
+        engine's limits (the request's fault) is an error event."""
         if d.finish_reason == "abort":
             return {"type": "error", "code": "server_unavailable", "message": d.error, "param": None}
+        if d.error_param:
+            return {
+                "type": "error",
+                "code": "invalid_request_error",
+                "message": d.error,
+                "param": d.error_param,
+            }
         failed = self._response(rid, model, out, gen.usage(), error=d.error)
         return {"type": "response.failed", "response": failed.model_dump()}
 

@@ -411,6 +411,14 @@ MUTATIONS = [
         "        if False:",
         ("tests/test_prompt_lanes.py", "-k", "huge"),
     ),
+    Mutation(
+        "grammar-limit-mid-way-is-a-fault",
+        "a grammar past llguidance's limits after some tokens is a 500 carrying the parser's state",
+        SCHEDULER,
+        "            seq.finish_detail, seq.error_param = refusal.message, refusal.param",
+        '            seq.finish_detail = f"grammar error: {seq.matcher.get_error()}"',
+        ("tests/test_hostile.py",),
+    ),
     # -- the Anthropic Messages API --------------------------------------------------------------------------
     Mutation(
         "billing-header-in-the-prompt",

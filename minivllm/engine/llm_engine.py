@@ -55,6 +55,7 @@ class RequestOutput:
     flight_role: str | None = None
     stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
     error: str | None = None  # why it ended, when the finish reason alone does not say
+    error_param: str | None = None  # an "error" the request's own input caused (its grammar): that parameter
 
 
 class LLMEngine:
@@ -298,6 +299,7 @@ class LLMEngine:
             flight_role=seq.flight_role,
             stop_token_id=seq.stop_token_id,
             error=seq.finish_detail if seq.is_finished else None,
+            error_param=seq.error_param if seq.is_finished else None,
         )
 
     def check_invariants(self) -> None:
