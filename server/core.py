@@ -21,7 +21,7 @@ from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, ch
 from minivllm.engine.validation import RequestError, check_request
 from server import protocol as p
 from server.engine_client import EngineClient
-from server.errors import APIError, ClientDisconnected, error_body
+from server.errors import APIError, ClientDisconnected, error_body, named
 from server.generation import Delta, Generation, TokenUsage
 from server.metrics import Metrics
 from server.prompts import PromptBuilder
@@ -209,7 +209,7 @@ async def run(
     """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response. names: the
     protocol's fields by engine parameter, for a refusal that comes after a stream's headers."""
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden)
+    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden, names or {})
     streaming = False
     try:
         if stream and fmt.keepalive_s is not None:
@@ -344,16 +344,6 @@ def protocol_names(names: Mapping[str, str]):
         yield
     except RequestError as e:
         raise named(e, names) from None
-
-
-def named(e: RequestError, names: Mapping[str, str]) -> APIError:
-    """The engine's refusal as a 400 naming the request's own field (names: engine parameter -> field)."""
-    field = names.get(e.param, e.param)
-    message = e.message
-    # the message names the field too (clients often show only the message), except OpenAI's own wording
-    if field and e.code != "context_length_exceeded" and not message.startswith(field):
-        message = f"{field}: {message}"
-    return APIError(400, message, param=field, code=e.code)
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable]):

@@ -8,7 +8,7 @@ which closes the engine iterators and so aborts the requests and frees their pag
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from minivllm.engine.llm_engine import QueueFull, RequestOutput
@@ -17,7 +17,7 @@ from minivllm.engine.sequence import TokenLogprob
 from minivllm.engine.validation import RequestError
 from minivllm.models.tokenizer import Tokenizer
 from server.engine_client import EngineClient
-from server.errors import APIError
+from server.errors import APIError, named
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"  # a full queue drains as requests finish: seconds at the model's speed
@@ -161,12 +161,15 @@ class Generation:
         stops: list[str],
         metrics=None,
         hidden_token_ids: frozenset[int] = frozenset(),
+        names: Mapping[str, str] | None = None,
     ):
         """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major.
-        hidden_token_ids: tokens that add no output text (they still count, and show in logprobs)."""
+        hidden_token_ids: tokens that add no output text (they still count, and show in logprobs).
+        names: the protocol's fields by engine parameter, for an error the request's input caused."""
         self.engine = engine
         self.metrics = metrics
         self.hidden_token_ids = hidden_token_ids
+        self.names = names or {}
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.choices: list[Choice] = []
@@ -226,10 +229,8 @@ class Generation:
         """Wait for the whole output: the deltas of each choice. Raises APIError if one failed."""
         per_choice: list[list[Delta]] = [[] for _ in self.choices]
         async for d in self.deltas():
-            if d.error_param:  # the route names the request's own field
-                raise RequestError(d.error, param=d.error_param)
             if d.error:
-                raise APIError(d.error_status, d.error)
+                raise APIError(d.error_status, d.error, param=d.error_param)
             per_choice[d.index].append(d)
         if self.closed:
             raise APIError(503, "request closed before it finished")
@@ -263,6 +264,9 @@ class Generation:
                 if out.new_token_ids and self.first_token_time is None:
                     self.first_token_time = time.monotonic()
                 delta = c.to_delta(out, text)
+                if delta.error_param:  # the request's own input at fault: its field in the protocol's name
+                    refusal = named(RequestError(delta.error, param=delta.error_param), self.names)
+                    delta.error, delta.error_param = refusal.message, refusal.param
                 self.events.put_nowait(delta)
                 if delta.finish_reason:
                     return  # a stop string: closing the stream below aborts the request

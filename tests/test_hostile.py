@@ -312,3 +312,30 @@ def test_hostile_requests_get_no_5xx_and_clean_errors_and_leave_the_pool_as_it_w
         assert anthropic.status_code == 200 and anthropic.json()["type"] == "message"
     server.wait_idle()
     assert _pool(server) == before
+
+
+def test_a_grammar_past_the_engines_limits_mid_way_is_a_400_naming_the_field(server):
+    """The self-referencing schema compiles and passes its first token, then breaks llguidance's limits:
+    the request's fault, named in the protocol's field, streamed or not, with no parser state."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS["self-ref-required"]}}
+    body = {**PROTOCOLS["/v1/chat/completions"][0], "response_format": schema}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        error = http.post("/v1/chat/completions", json=body).json()["error"]
+        assert error["param"] == "response_format" and error["message"].startswith(
+            "response_format: invalid grammar"
+        )
+        streamed = http.post("/v1/chat/completions", json={**body, "stream": True}).text.split("\n\n")
+        event = json.loads(streamed[-3].removeprefix("data: "))["error"]  # then [DONE]
+        assert (event["param"], event["message"], event["type"]) == (
+            "response_format",
+            error["message"],
+            "invalid_request_error",
+        )
+        tools = [{"name": "f", "input_schema": SCHEMAS["self-ref-required"]}]
+        anthropic = {**PROTOCOLS["/v1/messages"][0], "tools": tools, "tool_choice": {"type": "any"}}
+        r = http.post("/v1/messages", json=anthropic)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "tool_choice: invalid grammar"
+        )
+        assert "<state>" not in r.text
+    server.wait_idle()
