@@ -2,10 +2,15 @@
 /health and an open stream fare while a 1 MB legal prompt is being tokenized.
 
     python -m benchmarks.hardening [--model DIR] [--runs 5]
+    python -m benchmarks.hardening --lanes [--model DIR] [--runs 3]
 
 Without --model it builds a tiny random model whose context (262,144 positions, clamped to a 64 MiB pool:
 131,072 tokens) lets the 1 MB prompt pass the length pre-check, so the server really tokenizes it (then
 refuses it: about 233,000 tokens). Prints a table; writes nothing.
+
+--lanes: short chat requests' TTFT idle, beside one and beside four 3.9 MB chat prompts (each refused: longer
+than the context), on a server with MINIVLLM_PROMPT_LANES on and on one with it off, in one run; the default
+model unless --model. Writes benchmarks/results/prompt_lanes.{json,md}.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.harness import models, results
 from benchmarks.harness.results import markdown_table, metadata
 from benchmarks.harness.servers import ServerSpec, running_server
 
 BODY_8MB = json.dumps({"model": "m", "prompt": "x" * (8 << 20)}).encode()
 PROMPT_1MB = ("The quick brown fox jumps over the lazy dog. " * 30_000)[: 1 << 20]
+PROMPT_3_9MB = ("The quick brown fox jumps over the lazy dog.\n" * 90_000)[:3_900_000]
+SHORT_CHAT = [{"role": "user", "content": "Write a haiku about caches."}]
+IDLE_SHORTS = 5  # short requests timed on an idle server, per run
 
 
 def ms(values: list[float]) -> str:
@@ -117,6 +126,56 @@ async def health_during_big_prompt(url: str, model: str) -> dict[str, object]:
     }
 
 
+async def short_ttft(http: httpx.AsyncClient, model: str) -> float:
+    """Seconds from sending a short streamed chat request to its first data event (keep-alive comments are
+    not output)."""
+    body = {"model": model, "messages": SHORT_CHAT, "max_tokens": 1, "temperature": 0, "stream": True}
+    t = time.perf_counter()
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t
+    raise RuntimeError(f"no data event (HTTP {r.status_code})")
+
+
+async def shorts_beside_big_prompts(url: str, model: str, bigs: int) -> tuple[list[float], list[int]]:
+    """Short requests one after another while `bigs` 3.9 MB chat prompts are in flight (IDLE_SHORTS of them
+    when there are none): their TTFTs, and the big prompts' HTTP statuses."""
+    async with httpx.AsyncClient(base_url=url, timeout=900) as http:
+        body = {"model": model, "messages": [{"role": "user", "content": PROMPT_3_9MB}], "max_tokens": 1}
+        big = [asyncio.create_task(http.post("/v1/chat/completions", json=body)) for _ in range(bigs)]
+        ttfts: list[float] = []
+        while len(ttfts) < (IDLE_SHORTS if not bigs else 1) or not all(t.done() for t in big):
+            ttfts.append(await short_ttft(http, model))
+        return ttfts, [r.status_code for r in await asyncio.gather(*big)]
+
+
+def lanes_comparison(model: Path, runs: int) -> tuple[list[dict], dict]:
+    """Rows: short-request TTFT per server setting and scenario, over `runs` repetitions each."""
+    rows, raw = [], {}
+    for lanes in ("1", "0"):
+        env = {"MINIVLLM_PROMPT_LANES": lanes, "MINIVLLM_LOG_LEVEL": "warning"}
+        with running_server(ServerSpec("minivllm", model, env=env, label=f"lanes-{lanes}")) as server:
+            for bigs in (0, 1, 4):
+                ttfts, statuses = [], []
+                for _ in range(runs):
+                    t, st = asyncio.run(shorts_beside_big_prompts(server.base_url, server.model_id, bigs))
+                    ttfts += t
+                    statuses += st
+                raw[f"lanes={lanes} bigs={bigs}"] = {"ttft_s": ttfts, "big_statuses": statuses}
+                rows.append(
+                    {
+                        "prompt lanes": "on" if lanes == "1" else "off",
+                        "3.9 MB prompts in flight": bigs,
+                        "short TTFT (ms)": ms(ttfts),
+                        "mean (ms)": round(statistics.mean(ttfts) * 1e3, 1),
+                        "short requests": len(ttfts),
+                        "big prompts' statuses": ", ".join(sorted({str(s) for s in statuses})) or "—",
+                    }
+                )
+    return rows, raw
+
+
 def tiny_long_context_model(root: Path) -> Path:
     from tests.tiny_model import make_tiny_model
 
@@ -126,8 +185,21 @@ def tiny_long_context_model(root: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help="model dir (default: a tiny random long-context model)")
-    p.add_argument("--runs", type=int, default=5, help="8 MB bodies sent per kind")
+    p.add_argument("--runs", type=int, default=5, help="8 MB bodies sent per kind (--lanes: repetitions)")
+    p.add_argument(
+        "--lanes", action="store_true", help="short-request TTFT beside 3.9 MB prompts, lanes on/off"
+    )
+    p.add_argument("--allow-dirty", action="store_true")
     args = p.parse_args(argv)
+    if args.lanes:
+        results.require_clean_tree(args.allow_dirty)
+        model = models.resolve_model(args.model and str(args.model))
+        rows, raw = lanes_comparison(model, args.runs)
+        meta = metadata(model, runs=args.runs)
+        results.print_report(
+            results.write_results("prompt_lanes", rows, meta, raw=raw, allow_dirty=args.allow_dirty)
+        )
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or tiny_long_context_model(Path(tmp))
         env = {"MINIVLLM_KV_CACHE_BYTES": "64M", "MINIVLLM_LOG_LEVEL": "warning"}

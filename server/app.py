@@ -17,6 +17,7 @@ from minivllm.engine.async_engine import AsyncEngine
 from minivllm.shadow import ShadowReplay
 from server import cache_api, chat, completions, messages, responses, web
 from server import protocol as p
+from server.connections import quiet_accept_errors
 from server.core import ServerState, state_for
 from server.engine_client import EngineClient
 from server.errors import error_response, install_error_handlers
@@ -40,6 +41,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         nonlocal settings
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
+        quiet_accept_errors(asyncio.get_running_loop())
         engines = await _engines(settings, engine)
         owned = [e for e in engines.values() if isinstance(e, AsyncEngine) and not e.is_running]
         for eng in owned:
@@ -109,7 +111,7 @@ def _state(
     settings: Settings, engine: EngineClient, metrics: Metrics, model_name: str, shadow: ShadowReplay | None
 ) -> ServerState:
     tokenizer = engine.tokenizer
-    prompts = PromptBuilder(tokenizer, engine.max_model_len)
+    prompts = PromptBuilder(tokenizer, engine.max_model_len, long_lane=settings.prompt_lanes)
     return ServerState(
         settings,
         engine,

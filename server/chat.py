@@ -39,7 +39,9 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         def locate(token: int):
             return st.prompts.message_at(body.messages, template_tools, prompt, token)
 
-        return await generate(request, st, fmt, body, [prompt], max_tokens, logprobs, structured, locate)
+        return await generate(
+            request, st, fmt, body, [prompt], max_tokens, logprobs, structured, locate, names
+        )
 
 
 class ChatFormat(OpenAIEvents):

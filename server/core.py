@@ -19,11 +19,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
-from minivllm.engine.validation import RequestError, check_context_length
+from minivllm.engine.validation import RequestError, check_request
 from minivllm.shadow import ShadowReplay
 from server import protocol as p
 from server.engine_client import EngineClient
-from server.errors import APIError, ClientDisconnected, error_body
+from server.errors import APIError, ClientDisconnected, error_body, named
 from server.generation import Delta, Generation, TokenUsage
 from server.metrics import Metrics
 from server.prefix_report import EXPLAINED, HEADER, MessageLocator, PrefixReport, header_value, log, reports
@@ -31,6 +31,9 @@ from server.prompts import PromptBuilder
 from server.settings import Settings
 
 MAX_CHOICES = 64
+# a keep-alive this often until a stream's first output: clients and proxies with idle timeouts wait out a
+# long prefill (OpenAI streams: an SSE comment; Anthropic's: a ping event)
+KEEPALIVE_S = 5.0
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Format(Protocol):
 
     def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]: ...
 
-    def error_events(self, status: int, message: str) -> list[str]: ...
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]: ...
 
     def ping(self) -> str: ...
 
@@ -145,9 +148,10 @@ DONE = "data: [DONE]\n\n"
 
 class OpenAIEvents:
     """OpenAI's usage and stream framing, which chat and completions share: `data: <json>` chunks, the
-    usage chunk last when asked for, `data: [DONE]` at the end (after an error too)."""
+    usage chunk last when asked for, `data: [DONE]` at the end (after an error too); an SSE comment at
+    once and every KEEPALIVE_S until the first output."""
 
-    keepalive_s: float | None = None
+    keepalive_s: float | None = KEEPALIVE_S
 
     def usage(self, counts: TokenUsage) -> dict:
         return counts.openai()
@@ -162,8 +166,8 @@ class OpenAIEvents:
         usage_chunk = [_data(self.usage_chunk(rid, model, usage))] if include_usage else []
         return usage_chunk + [DONE]
 
-    def error_events(self, status: int, message: str) -> list[str]:
-        return [_data(error_body(status, message)), DONE]
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
+        return [_data(error_body(status, message, param=param)), DONE]
 
     def ping(self) -> str:
         return ": ping\n\n"  # an SSE comment: clients skip it
@@ -179,6 +183,7 @@ async def generate(
     logprobs: int | None,
     structured: StructuredOutput | None = None,
     locate: MessageLocator | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> Response:
     choices = len(prompts) * body.n
     if choices > MAX_CHOICES:
@@ -197,7 +202,17 @@ async def generate(
     ]
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
     return await run(
-        request, state, fmt, prompts, params, body.stop, hidden, body.stream, body.include_usage, locate
+        request,
+        state,
+        fmt,
+        prompts,
+        params,
+        body.stop,
+        hidden,
+        body.stream,
+        body.include_usage,
+        locate,
+        names,
     )
 
 
@@ -212,11 +227,13 @@ async def run(
     stream: bool,
     include_usage: bool = False,
     locate: MessageLocator | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> Response:
     """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response. locate: the
-    message holding a prompt token, for the prefix-cache report (server.prefix_report)."""
+    message holding a prompt token, for the prefix-cache report (server.prefix_report). names: the
+    protocol's fields by engine parameter, for a refusal that comes after a stream's headers."""
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden)
+    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden, names or {})
     explain = _explainer(request, state, gen, locate)
     streaming = False
     try:
@@ -224,17 +241,18 @@ async def run(
             # the stream starts before the engine answers: what the request can be refused for up front
             # is refused here, as an HTTP error (and the prefix-cache report comes as an SSE comment)
             for prompt, plist in zip(prompts, params, strict=True):
-                check_context_length(state.max_model_len, len(prompt), plist[0].max_tokens)
+                vocab = state.engine.vocab_size
+                check_request(prompt, plist[0].max_tokens, plist[0].logit_bias, vocab, state.max_model_len)
             streaming = True
-            events = _sse(gen, fmt, rid, state.model_name, include_usage, started=False, explain=explain)
-            return GenerationStream(gen, events)
+            body = _stream_body(gen, fmt, rid, state.model_name, include_usage)
+            return GenerationStream(gen, _with_pings(gen, fmt, body, names or {}, explain))
         await until_disconnect(request, gen.start)
         headers = {HEADER: await until_disconnect(request, explain)}
         if stream:
             streaming = True  # from here the response closes gen
-            if hasattr(fmt, "events"):
-                return GenerationStream(gen, fmt.events(gen, rid, state.model_name), headers)
-            return GenerationStream(gen, _sse(gen, fmt, rid, state.model_name, include_usage), headers)
+            return GenerationStream(
+                gen, _stream_body(gen, fmt, rid, state.model_name, include_usage), headers
+            )
         per_choice = await until_disconnect(request, gen.collect)
         usage = fmt.usage(gen.token_usage())
         return JSONResponse(
@@ -280,38 +298,49 @@ class GenerationStream(StreamingResponse):
             self.gen.close()
 
 
-async def _sse(
+def _stream_body(
+    gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    """The SSE body of a started generation: the format's own events, or a chunk per delta."""
+    if hasattr(fmt, "events"):
+        return fmt.events(gen, rid, model)
+    return _sse(gen, fmt, rid, model, include_usage)
+
+
+async def _with_pings(
     gen: Generation,
     fmt: Format,
-    rid: str,
-    model: str,
-    include_usage: bool,
-    started: bool = True,
-    explain: Callable[[], Awaitable[str]] | None = None,
+    body: AsyncIterator[str],
+    names: Mapping[str, str],
+    explain: Callable[[], Awaitable[str]],
 ) -> AsyncIterator[str]:
-    """The SSE body; if the client goes away, the generation is closed and this ends. started False: gen
-    starts here, with pings while it waits, and then the prefix-cache report goes out as an SSE comment
-    (the headers left before the engine had admitted the request)."""
+    """Start gen with pings while it waits, then the prefix-cache report as an SSE comment (the headers
+    left before the engine had admitted the request), then the body; a refusal ends the stream as its
+    error events, naming the request's field (names: as for protocol_names)."""
     try:
-        if not started:
-            try:
-                async for ping in _start_with_pings(gen, fmt.keepalive_s, fmt.ping):
-                    yield ping
-            except APIError as e:
-                for event in fmt.error_events(e.status, e.message):
-                    yield event
-                return
-            except RequestError as e:
-                for event in fmt.error_events(400, f"{e.param}: {e.message}" if e.param else e.message):
-                    yield event
-                return
-            if explain is not None:
-                yield f": {HEADER}: {await explain()}\n\n"
+        try:
+            async for ping in _start_with_pings(gen, fmt.keepalive_s, fmt.ping):
+                yield ping
+        except (APIError, RequestError) as e:
+            refusal = named(e, names) if isinstance(e, RequestError) else e
+            for event in fmt.error_events(refusal.status, refusal.message, refusal.param):
+                yield event
+            return
+        yield f": {HEADER}: {await explain()}\n\n"
+        async for event in body:
+            yield event
+    finally:
+        gen.close()
+
+
+async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body; if the client goes away, the generation is closed and this ends."""
+    try:
         for event in fmt.opening(rid, model, fmt.usage(gen.token_usage())):
             yield event
         async for d in gen.deltas():
             if d.error:
-                for event in fmt.error_events(503 if d.finish_reason == "abort" else 500, d.error):
+                for event in fmt.error_events(d.error_status, d.error, d.error_param):
                     yield event
                 return
             if d.text or d.finish_reason or (fmt.logprobs and d.logprobs):
@@ -364,12 +393,7 @@ def protocol_names(names: Mapping[str, str]):
     try:
         yield
     except RequestError as e:
-        field = names.get(e.param, e.param)
-        message = e.message
-        # the message names the field too (clients often show only the message), except OpenAI's own wording
-        if field and e.code != "context_length_exceeded" and not message.startswith(field):
-            message = f"{field}: {message}"
-        raise APIError(400, message, param=field, code=e.code) from None
+        raise named(e, names) from None
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable]):

@@ -3,11 +3,14 @@ every failure one of them (never a bare 500 page or a crash). Anthropic's routes
 in Anthropic's shape instead: `{"type": "error", "error": {"type", "message"}}`."""
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minivllm.engine.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,16 @@ class APIError(Exception):
         return error_response(
             self.status, self.message, path=path, param=self.param, code=self.code, headers=self.headers
         )
+
+
+def named(e: RequestError, names: Mapping[str, str]) -> APIError:
+    """The engine's refusal as a 400 naming the request's own field (names: engine parameter -> field)."""
+    field = names.get(e.param, e.param)
+    message = e.message
+    # the message names the field too (clients often show only the message), except OpenAI's own wording
+    if field and e.code != "context_length_exceeded" and not message.startswith(field):
+        message = f"{field}: {message}"
+    return APIError(400, message, param=field, code=e.code)
 
 
 class ClientDisconnected(Exception):

@@ -8,7 +8,7 @@ which closes the engine iterators and so aborts the requests and frees their pag
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from minivllm.engine.llm_engine import QueueFull, RequestOutput
@@ -17,7 +17,7 @@ from minivllm.engine.sequence import TokenLogprob
 from minivllm.engine.validation import RequestError
 from minivllm.models.tokenizer import Tokenizer
 from server.engine_client import EngineClient
-from server.errors import APIError
+from server.errors import APIError, named
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"  # a full queue drains as requests finish: seconds at the model's speed
@@ -96,6 +96,12 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     stop_string: str | None = None  # with finish reason "stop": the stop string that matched, if one did
+    error_param: str | None = None  # an error the request's own input caused: that engine parameter (a 400)
+
+    @property
+    def error_status(self) -> int:
+        """The HTTP status of its error: the client's input, the server stopping it, or a fault."""
+        return 400 if self.error_param else 503 if self.finish_reason == "abort" else 500
 
 
 @dataclass
@@ -142,7 +148,7 @@ class Choice:
         if reason in ("error", "abort"):
             error = out.error or ("request aborted" if reason == "abort" else "request failed")
         self.done = reason is not None
-        return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string)
+        return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string, out.error_param)
 
 
 class Generation:
@@ -155,12 +161,15 @@ class Generation:
         stops: list[str],
         metrics=None,
         hidden_token_ids: frozenset[int] = frozenset(),
+        names: Mapping[str, str] | None = None,
     ):
         """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major.
-        hidden_token_ids: tokens that add no output text (they still count, and show in logprobs)."""
+        hidden_token_ids: tokens that add no output text (they still count, and show in logprobs).
+        names: the protocol's fields by engine parameter, for an error the request's input caused."""
         self.engine = engine
         self.metrics = metrics
         self.hidden_token_ids = hidden_token_ids
+        self.names = names or {}
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.choices: list[Choice] = []
@@ -221,7 +230,7 @@ class Generation:
         per_choice: list[list[Delta]] = [[] for _ in self.choices]
         async for d in self.deltas():
             if d.error:
-                raise APIError(503 if d.finish_reason == "abort" else 500, d.error)
+                raise APIError(d.error_status, d.error, param=d.error_param)
             per_choice[d.index].append(d)
         if self.closed:
             raise APIError(503, "request closed before it finished")
@@ -255,6 +264,9 @@ class Generation:
                 if out.new_token_ids and self.first_token_time is None:
                     self.first_token_time = time.monotonic()
                 delta = c.to_delta(out, text)
+                if delta.error_param:  # the request's own input at fault: its field in the protocol's name
+                    refusal = named(RequestError(delta.error, param=delta.error_param), self.names)
+                    delta.error, delta.error_param = refusal.message, refusal.param
                 self.events.put_nowait(delta)
                 if delta.finish_reason:
                     return  # a stop string: closing the stream below aborts the request

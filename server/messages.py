@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams, StructuredOutput
 from server import anthropic_protocol as a
 from server import protocol as p
-from server.core import ServerState, cache_salt, protocol_names, run, state_for, until_disconnect
+from server.core import KEEPALIVE_S, ServerState, cache_salt, protocol_names, run, state_for, until_disconnect
 from server.errors import APIError, anthropic_error_body
 from server.generation import Delta, TokenUsage
 from server.structured import output_grammar
@@ -24,7 +24,6 @@ from server.tools import ToolCalling, ToolCallStream
 
 router = APIRouter()
 MAX_BREAKPOINTS = 4  # blocks with cache_control in one request, as at Anthropic
-KEEPALIVE_S = 5.0  # a ping this often until the first token: clients with idle timeouts keep waiting
 CHOICES = {"any": "required", "auto": "auto", "none": "none"}  # Anthropic's tool_choice -> ToolCalling's
 
 
@@ -58,7 +57,9 @@ async def messages(body: a.MessagesRequest, request: Request):
             return st.prompts.message_at(turns, template_tools, prompt, token)
 
         hidden = st.special_token_ids
-        return await run(request, st, fmt, [prompt], [[params]], stops, hidden, body.stream, locate=locate)
+        return await run(
+            request, st, fmt, [prompt], [[params]], stops, hidden, body.stream, locate=locate, names=names
+        )
 
 
 @router.post("/v1/messages/count_tokens")
@@ -392,8 +393,8 @@ class MessagesFormat:
             _event({"type": "message_stop"}),
         ]
 
-    def error_events(self, status: int, message: str) -> list[str]:
-        return [_event(anthropic_error_body(status, message))]
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
+        return [_event(anthropic_error_body(status, message, param))]
 
     def ping(self) -> str:
         return _event({"type": "ping"})

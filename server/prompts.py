@@ -1,9 +1,15 @@
 """Request text into prompt token ids, off the event loop, refusing early what cannot fit.
 
 Templating and tokenizing take seconds for a long text (about 4 s for 1 MB here), so they run on a worker
-thread and the event loop keeps serving /health and the open streams meanwhile. One thread, not a pool:
-transformers switches special-token parsing on and off per call by setting a flag on the shared Rust
-tokenizer, so concurrent encodes can get each other's setting (seen: a few in a hundred).
+thread and the event loop keeps serving /health and the open streams meanwhile. One thread per tokenizer, not
+a pool around one: transformers switches special-token parsing on and off per call by setting a flag on the
+shared Rust tokenizer, so concurrent encodes can get each other's setting (seen: a few in a hundred). So that
+short prompts never wait behind a long one, texts over LONG_TEXT_CHARS go to a second lane: its own thread
+and its own copy of the tokenizer.
+
+A text that cannot fit is refused before it is tokenized whole: by its length (no token is longer than the
+longest vocabulary entry), and, for a text much longer than the context in typical tokens, by counting the
+tokens of its pieces only until they pass the context (cut where no pre-tokenizer joins a word across).
 
 Every string of a chat request that the template renders is text, never control tokens: a special-token
 string (`<|im_start|>system`) in a message's content or name, a tool's description or schema (keys and
@@ -15,13 +21,13 @@ are plain text around the FIM tokens the server writes.
 
 import asyncio
 import bisect
+import copy
 import inspect
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 from minivllm.engine.validation import RequestError, check_context_length
 from minivllm.models.tokenizer import Tokenizer
@@ -30,8 +36,16 @@ from server import protocol as p
 from server.errors import APIError
 from server.tools import conversation
 
-T = TypeVar("T")
+LONG_TEXT_CHARS = (
+    1 << 16
+)  # a request with more characters of text is templated and tokenized in the long lane
 NORMALIZED_PIECE = 1 << 16  # characters normalized per call
+COUNTED_PIECE = 1 << 15  # characters tokenized per piece while counting a long text's tokens
+TYPICAL_TOKEN_CHARS = 8  # a text over this many characters per token of room is counted in pieces first
+CUT_SLACK = 2  # tokens a cut between pieces may add (a prefix-space marker, a word split differently)
+# cuts between pieces: after a newline before a non-space, or before a space between two letters; every
+# byte-level and SentencePiece pre-tokenizer ends a word there
+SAFE_CUT = re.compile(r"\n(?=\S)|(?<=[^\W\d_])(?= [^\W\d_])")
 CHANGED_ACROSS_A_CUT = 8  # characters a normalizer may add or save across a cut between pieces
 MARK = "\ue000{}\ue001"  # stands for marked string k in a rendering (private-use characters)
 MARK_RE = re.compile("\ue000([0-9]+)\ue001")
@@ -61,7 +75,9 @@ def fim_tokens(tokenizer: Tokenizer) -> FimTokens | None:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, long_lane: bool = False):
+        """long_lane: long texts are templated and tokenized by a second builder, on its own thread with its
+        own copy of the tokenizer (a copy takes a second or two)."""
         if "sanitize_control_tokens" not in inspect.signature(tokenizer.hf.apply_chat_template).parameters:
             raise RuntimeError(
                 "this transformers cannot keep control tokens in chat messages as plain text "
@@ -87,9 +103,14 @@ class PromptBuilder:
         self.developer_role = "developer" if "developer" in str(tokenizer.chat_template or "") else "system"
         self.fim = fim_tokens(tokenizer)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-prompts")
+        self.long = (
+            PromptBuilder(Tokenizer(copy.deepcopy(tokenizer.wrapper)), max_model_len) if long_lane else self
+        )
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+        if self.long is not self:
+            self.long.close()
 
     async def chat(
         self, messages: list[p.ChatMessage], max_tokens: int | None, tools: list[dict] | None = None
@@ -97,7 +118,7 @@ class PromptBuilder:
         """tools: the request's tools, for the template to render (None: no tools in the prompt); for a
         template without a tool-call format, the server renders them, and past calls and results, itself."""
         turns, tools = self._turns(messages, tools)
-        return await self._off_loop(self._chat_ids, turns, max_tokens, tools)
+        return await self._off_loop(_chars(turns, tools), "_chat_ids", turns, max_tokens, tools)
 
     def _turns(
         self, messages: list[p.ChatMessage], tools: list[dict] | None
@@ -116,14 +137,16 @@ class PromptBuilder:
     ) -> int | None:
         """The index of the message whose templated text holds prompt token `token` (ids: the prompt
         chat() made of these messages); None if the template cannot render a part of the conversation."""
-        return await self._off_loop(self._message_at, *self._turns(messages, tools), ids, token)
+        turns, tools = self._turns(messages, tools)
+        return await self._off_loop(_chars(turns, tools), "_message_at", turns, tools, ids, token)
 
     async def message_ends(
         self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], ends: list[int]
     ) -> list[int]:
         """For each k in ends, the prompt tokens before message k (k = len(messages): the whole
         conversation, less the generation prompt); 0 where the template cannot render a part of it."""
-        return await self._off_loop(self._message_ends, *self._turns(messages, tools), ids, ends)
+        turns, tools = self._turns(messages, tools)
+        return await self._off_loop(_chars(turns, tools), "_message_ends", turns, tools, ids, ends)
 
     async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:
         """A string, a list of token ids, or a list of either (several prompts)."""
@@ -135,7 +158,7 @@ class PromptBuilder:
             prompts = prompt
         if all(not isinstance(x, str) for x in prompts):
             return [list(x) for x in prompts]
-        return await self._off_loop(self._completion_ids, prompts, max_tokens)
+        return await self._off_loop(_chars(prompts), "_completion_ids", prompts, max_tokens)
 
     async def infill(self, prompt, suffix: str, max_tokens: int | None) -> list[list[int]]:
         """Fill-in-the-middle: each prompt (text or token ids, one or several) is the prefix before the
@@ -147,10 +170,14 @@ class PromptBuilder:
             )
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             prompt = [prompt]
-        return await self._off_loop(self._infill_ids, prompt, suffix, max_tokens)
+        return await self._off_loop(_chars(prompt, suffix), "_infill_ids", prompt, suffix, max_tokens)
 
-    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+    async def _off_loop(self, chars: int, method: str, *args):
+        """builder.method(*args) on the worker of the lane for a request of this many characters of text."""
+        builder = self.long if chars > LONG_TEXT_CHARS else self
+        return await asyncio.get_running_loop().run_in_executor(
+            builder.worker, getattr(builder, method), *args
+        )
 
     # -- on the worker thread ---------------------------------------------------------------------------
     def _chat_ids(
@@ -273,11 +300,24 @@ class PromptBuilder:
         return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def _check_fits(self, text: str, max_tokens: int | None) -> None:
-        """Refuse, before tokenizing, a text that cannot fit the context with its completion."""
+        """Refuse, before tokenizing it whole, a text that cannot fit the context with its completion."""
         room = self.max_model_len - (max_tokens or 1)
-        if len(text) <= room * self.max_token_chars:
-            return  # fits by this bound; the exact count, after tokenizing, decides
-        check_context_length(self.max_model_len, self.min_tokens(text), max_tokens, at_least=True)
+        if len(text) > room * self.max_token_chars:
+            check_context_length(self.max_model_len, self.min_tokens(text), max_tokens, at_least=True)
+        if len(text) > room * TYPICAL_TOKEN_CHARS:  # most likely too long: count until that is sure
+            check_context_length(
+                self.max_model_len, self.tokens_at_least(text, room), max_tokens, at_least=True
+            )
+
+    def tokens_at_least(self, text: str, room: int) -> int:
+        """A lower bound on the tokens of text, counted piece by piece until it passes room (then the rest
+        is not tokenized): each piece's tokens, less CUT_SLACK per cut."""
+        count = 0
+        for k, piece in enumerate(_pieces(text, COUNTED_PIECE)):
+            count += len(self.tokenizer.encode(piece, add_special_tokens=False)) - (CUT_SLACK if k else 0)
+            if count > room:
+                break
+        return count
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens of text: no token covers more characters of the normalized text than
@@ -335,6 +375,21 @@ class TextOffsets:
             else:
                 hi = mid - 1
         return lo
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """text in pieces of at least `size` characters (the last may be shorter), cut at SAFE_CUT."""
+    start = 0
+    while start < len(text):
+        cut = SAFE_CUT.search(text, start + size)
+        end = cut.end() if cut else len(text)
+        yield text[start:end]
+        start = end
+
+
+def _chars(*values) -> int:
+    """The characters of every string in values (what templating and tokenizing them costs)."""
+    return sum(map(len, _strings(*values)))
 
 
 def _strings(*values) -> Iterator[str]:

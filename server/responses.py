@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 
 from server import protocol as p
 from server.core import OpenAIEvents, generate, protocol_names, state_for, until_disconnect
-from server.errors import APIError
+from server.errors import APIError, error_body
 from server.generation import Delta, Generation
 from server.responses_protocol import (
     FunctionChoice,
@@ -65,7 +65,7 @@ async def responses(body: ResponsesRequest, request: Request):
             return st.prompts.message_at(messages, tools, prompt, token)
 
         max_tokens = body.max_output_tokens
-        return await generate(request, st, fmt, body, [prompt], max_tokens, None, structured, locate)
+        return await generate(request, st, fmt, body, [prompt], max_tokens, None, structured, locate, names)
 
 
 def tool_calling(body: ResponsesRequest, tokenizer) -> ToolCalling | None:
@@ -241,10 +241,24 @@ class ResponsesFormat(OpenAIEvents):
         finally:
             gen.close()
 
+    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
+        """A refusal that comes after the stream's first ping: an `error` event."""
+        error = error_body(status, message, param=param)["error"]
+        event = {"type": "error", "code": error["type"], "message": error["message"], "param": error["param"]}
+        return [self._sse(event)]
+
     def _failure(self, rid: str, model: str, out: OutputItems, gen: Generation, d: Delta) -> dict:
-        """An engine fault fails the response; an abort (the server shutting down) is an error event."""
+        """An engine fault fails the response; an abort (the server shutting down) or a grammar past the
+        engine's limits (the request's fault) is an error event."""
         if d.finish_reason == "abort":
             return {"type": "error", "code": "server_unavailable", "message": d.error, "param": None}
+        if d.error_param:
+            return {
+                "type": "error",
+                "code": "invalid_request_error",
+                "message": d.error,
+                "param": d.error_param,
+            }
         failed = self._response(rid, model, out, gen.usage(), error=d.error)
         return {"type": "response.failed", "response": failed.model_dump()}
 

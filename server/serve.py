@@ -9,7 +9,12 @@ import uvicorn
 
 from minivllm.cluster.routing import ROUTINGS, RoutingConfig
 from server.app import create_app
-from server.settings import SettingsError, add_serve_arguments, settings_from_args
+from server.connections import uvicorn_config
+from server.settings import OPTIONS, SettingsError, add_serve_arguments, settings_from_args
+
+CONNECTION_OPTIONS = [
+    o for o in OPTIONS if o.name in ("max_connections", "header_timeout", "keepalive_timeout")
+]
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -41,11 +46,21 @@ def serve_main(argv: list[str] | None = None) -> int:
     if args.replicas is not None and len(settings.models) > 1:
         print("minivllm serve: error: --replicas serves one model", file=sys.stderr)
         return 2
+    changed = [o.env for o in CONNECTION_OPTIONS if getattr(settings, o.name) != o.default]
+    if args.replicas is not None and changed:
+        print(
+            f"minivllm serve: error: {', '.join(changed)} set the single-process server's connections; with "
+            "--replicas Ray Serve's proxy takes them",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.replicas is None:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=settings.log_level)
+        app = create_app(settings)
+        config = uvicorn_config(app, settings, host=args.host, port=args.port, log_level=settings.log_level)
+        uvicorn.Server(config).run()
         return 0
     try:
         from server.cluster.app import run

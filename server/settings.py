@@ -245,6 +245,40 @@ OPTIONS: tuple[Option, ...] = (
         "bytes of request bodies in flight at once, K/M/G suffixes allowed; past it requests get HTTP 429",
     ),
     Option(
+        "prompt_lanes",
+        "MINIVLLM_PROMPT_LANES",
+        bool,
+        _parse_bool,
+        True,
+        "template and tokenize long texts on a second thread with their own tokenizer copy, so short prompts "
+        "never wait behind them",
+    ),
+    Option(
+        "max_connections",
+        "MINIVLLM_MAX_CONNECTIONS",
+        int,
+        _parse_int,
+        1000,
+        "open connections at most (minivllm serve); past it the one idle longest is closed, or, when all serve "
+        "requests, the new one gets HTTP 503",
+    ),
+    Option(
+        "header_timeout",
+        "MINIVLLM_HEADER_TIMEOUT",
+        float,
+        _parse_seconds,
+        10.0,
+        "seconds a connection may take to send a request's headers (minivllm serve); then it is closed",
+    ),
+    Option(
+        "keepalive_timeout",
+        "MINIVLLM_KEEPALIVE_TIMEOUT",
+        float,
+        _parse_seconds,
+        5.0,
+        "seconds an idle connection is kept open after a response (minivllm serve)",
+    ),
+    Option(
         "api_key",
         "MINIVLLM_API_KEY",
         str | None,
@@ -303,6 +337,10 @@ class Settings(_SettingsFields):
             raise SettingsError(f"MINIVLLM_MODEL_NAME: {len(names)} names for {len(self.models)} models")
         if len(set(names)) != len(names) or not all(names):
             raise SettingsError(f"MINIVLLM_MODEL_NAME: served model ids must be distinct, got {list(names)}")
+        if self.max_connections < 1:
+            raise SettingsError(f"MINIVLLM_MAX_CONNECTIONS: must be >= 1, got {self.max_connections}")
+        if not self.header_timeout > 0:
+            raise SettingsError(f"MINIVLLM_HEADER_TIMEOUT: must be > 0, got {self.header_timeout}")
         self.engine_configs()
         return self
 

@@ -1,5 +1,6 @@
 """A real uvicorn server on 127.0.0.1 in a background thread, and helpers, for the server tests."""
 
+import json
 import socket
 import threading
 import time
@@ -9,6 +10,8 @@ import openai
 import uvicorn
 
 from server.app import create_app
+from server.connections import uvicorn_config
+from server.errors import error_body
 from server.settings import Settings
 
 
@@ -20,7 +23,7 @@ class ServerThread:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(self.app, settings, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -69,4 +72,17 @@ def assert_error(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def assert_refused(r: httpx.Response, status: int) -> dict:
+    """r is an OpenAI-shaped error with this status, or a stream refused after its headers went out: a
+    keep-alive comment, then that error as the stream's one event, then [DONE]. Returns the `error` object."""
+    if r.status_code != 200 or not r.headers["content-type"].startswith("text/event-stream"):
+        return assert_error(r, status)
+    blocks = r.text.strip().split("\n\n")
+    assert blocks[0] == ": ping" and blocks[-1] == "data: [DONE]" and len(blocks) == 3, r.text
+    error = json.loads(blocks[1].removeprefix("data: "))["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == error_body(status, "")["error"]["type"]
     return error

@@ -100,31 +100,33 @@ def test_an_evicted_prefix_is_reported_as_evicted(server):
     assert got["miss"] == "evicted" and got["token"] == "0" and got["message"] == "0"
 
 
+def _streamed_report(r) -> dict:
+    """A stream's headers leave before admission: its report comes as an SSE comment before the first
+    output event (after the keep-alives: OpenAI's comments, Anthropic's ping events)."""
+    frames = r.text.split("\n\n")
+    comment = next(i for i, f in enumerate(frames) if f.startswith(f": {HEADER}: "))
+    first = next(i for i, f in enumerate(frames) if f and not f.startswith((":", "event: ping")))
+    assert comment < first
+    return report(frames[comment].removeprefix(f": {HEADER}: "))
+
+
 def test_every_protocol_carries_the_report(server):
     prompt = text(40, 60)
-    for stream in (False, True):
-        r = post(
-            server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream}
-        )
+    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    bodies = {
+        "/v1/completions": {"model": "tiny", "prompt": prompt, "max_tokens": 2},
+        "/v1/responses": {"model": "tiny", "input": prompt, "max_output_tokens": 2},
+        "/v1/chat/completions": chat_body,
+    }
+    for path, body in bodies.items():
+        r = post(server, path, body)
         assert r.status_code == 200 and report(r.headers[HEADER])["prompt"]
-        r = post(
-            server,
-            "/v1/responses",
-            {"model": "tiny", "input": prompt, "max_output_tokens": 2, "stream": stream},
-        )
-        assert r.status_code == 200 and report(r.headers[HEADER])["prompt"]
-        body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
-        r = post(server, "/v1/chat/completions", {**body, "stream": stream})
-        assert r.status_code == 200 and report(r.headers[HEADER])["prompt"]
+        r = post(server, path, {**body, "stream": True})
+        assert r.status_code == 200 and HEADER not in r.headers and _streamed_report(r)["prompt"]
     anthropic = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": prompt}]}
     r = post(server, "/v1/messages", anthropic)
     assert report(r.headers[HEADER])["restored"] != "0"  # the chat request above cached it
-    # a stream's headers leave before admission: the report comes as an SSE comment before message_start
-    r = post(server, "/v1/messages", {**anthropic, "stream": True})
-    frames = r.text.split("\n\n")
-    comment = next(i for i, f in enumerate(frames) if f.startswith(f": {HEADER}: "))
-    start = next(i for i, f in enumerate(frames) if f.startswith("event: message_start"))
-    assert comment < start and report(frames[comment].removeprefix(f": {HEADER}: "))["prompt"]
+    assert _streamed_report(post(server, "/v1/messages", {**anthropic, "stream": True}))["prompt"]
 
 
 def test_explain_returns_the_last_reports_bounded(server):

@@ -440,7 +440,14 @@ def test_settings_from_a_mapping_name_the_setting():
 
 
 @pytest.mark.parametrize(
-    "flags", [["--routing", "affinity"], ["--replicas", "0"], ["--replicas", "2", "--routing", "x"]]
+    "flags",
+    [
+        ["--routing", "affinity"],
+        ["--replicas", "0"],
+        ["--replicas", "2", "--routing", "x"],
+        ["--replicas", "2", "--max-connections", "64"],  # Ray Serve's proxy takes the connections
+        ["--replicas", "2", "--header-timeout", "3"],
+    ],
 )
 def test_serve_refuses_bad_replica_flags(flags, capsys):
     with pytest.raises(SystemExit) if "x" in flags else contextlib.nullcontext():

@@ -81,7 +81,7 @@ class GrammarCompiler:
         try:
             text = grammar_text(spec)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise _grammar_error(e) from None
+            raise grammar_error(e) from None
         if len(text) > self.max_grammar_bytes:
             raise RequestError(
                 f"the grammar is {len(text):,} bytes; at most {self.max_grammar_bytes:,} are compiled "
@@ -110,18 +110,20 @@ class GrammarCompiler:
         try:
             matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise _grammar_error(e) from None
+            raise grammar_error(e) from None
         if not matcher.is_error():  # some limits only show at the first mask (llguidance's "too many items")
             fill_next_token_bitmask(matcher.deep_copy(), allocate_token_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            raise _grammar_error(matcher.get_error())
+            raise grammar_error(matcher.get_error())
         return matcher
 
 
 MAX_ERROR_CHARS = 300  # llguidance's errors can carry its whole parser state: keep the cause
 
 
-def _grammar_error(cause) -> RequestError:
+def grammar_error(cause) -> RequestError:
+    """The request's grammar at fault, in its first line only (no parser state); also for a grammar that
+    breaks the engine's limits only after some tokens."""
     first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     if len(first_line) > MAX_ERROR_CHARS:
         first_line = first_line[:MAX_ERROR_CHARS] + "..."

@@ -24,7 +24,7 @@ from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, Launched
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence, TokenLogprob
-from minivllm.engine.validation import RequestError, check_context_length, check_logit_bias, check_prompt_ids
+from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
 from minivllm.models.loader import activation_dtype, load_model
@@ -58,6 +58,7 @@ class RequestOutput:
     flight_role: str | None = None
     stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
     error: str | None = None  # why it ended, when the finish reason alone does not say
+    error_param: str | None = None  # an "error" the request's own input caused (its grammar): that parameter
 
 
 class LLMEngine:
@@ -190,9 +191,7 @@ class LLMEngine:
     def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Every rule a request must pass (minivllm.engine.validation); the params with max_tokens
         resolved (None: up to the context's end)."""
-        check_prompt_ids(token_ids, self.vocab_size)
-        check_context_length(self.max_model_len, len(token_ids), params.max_tokens)
-        check_logit_bias(params.logit_bias, self.vocab_size)
+        check_request(token_ids, params.max_tokens, params.logit_bias, self.vocab_size, self.max_model_len)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
         return params
@@ -307,6 +306,7 @@ class LLMEngine:
             flight_role=seq.flight_role,
             stop_token_id=seq.stop_token_id,
             error=seq.finish_detail if seq.is_finished else None,
+            error_param=seq.error_param if seq.is_finished else None,
         )
 
     def check_invariants(self) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
-from minivllm.engine.grammar import MaskCounters, advance
+from minivllm.engine.grammar import MaskCounters, advance, grammar_error
 from minivllm.engine.ngram_draft import accepted_tokens, propose
 from minivllm.engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from minivllm.engine.single_flight import FlightCoordinator
@@ -385,9 +385,10 @@ class Scheduler:
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.stop_token_id = token
             self.finish(seq, "stop")
-        elif seq.matcher is not None and seq.matcher.is_error():
-            seq.finish_detail = f"grammar error: {seq.matcher.get_error()}"
-            logger.error("request %s: %s", seq.request_id, seq.finish_detail)
+        elif seq.matcher is not None and seq.matcher.is_error():  # past the grammar engine's limits
+            refusal = grammar_error(seq.matcher.get_error())
+            seq.finish_detail, seq.error_param = refusal.message, refusal.param
+            logger.warning("request %s: %s", seq.request_id, seq.finish_detail)
             self.finish(seq, "error")
         elif seq.matcher is not None and seq.matcher.is_stopped():
             if token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos

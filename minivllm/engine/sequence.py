@@ -37,6 +37,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     finish_detail: str | None = None  # why, when the reason alone does not say (a fault, a pool too small)
+    error_param: str | None = None  # an "error" due to the request's own input: the parameter at fault
     stop_token_id: int | None = None  # the EOS / stop token that ended it (not part of the text)
     matcher: "LLMatcher | None" = None  # structured output: the grammar's state after token_ids
     page_table: list[int] = field(default_factory=list)

@@ -56,3 +56,17 @@ def check_logit_bias(logit_bias: dict[int, float], vocab_size: int) -> None:
         raise RequestError(
             f"logit_bias: token ids must be in [0, {vocab_size}), got {bad[0]}", param="logit_bias"
         )
+
+
+def check_request(
+    token_ids: list[int],
+    max_tokens: int | None,
+    logit_bias: dict[int, float],
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
+    """Every rule a request's prompt and params must pass, decided without the engine's state (the server
+    checks them before a stream's headers, the engine again when it takes the request)."""
+    check_prompt_ids(token_ids, vocab_size)
+    check_context_length(max_model_len, len(token_ids), max_tokens)
+    check_logit_bias(logit_bias, vocab_size)
