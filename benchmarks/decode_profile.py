@@ -26,11 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from tqdm import tqdm
 
-from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
+from benchmarks.harness.results import engine_metadata, mean_sd, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
 from kernels.paged_attention import build_layout
 from minivllm import LLM, SamplingParams
-from minivllm.models.backend import OPENBLAS_PATH, detect_backend
+from minivllm.models.backend import OPENBLAS_PATH
 from minivllm.models.cpu_layout import TransposedLinear
 from minivllm.models.qwen2 import forward
 
@@ -130,12 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(
             {"probe": name, "ms": f"{mean:.1f} ± {sd:.1f}", "share of a step": f"{100 * mean / step:.0f}%"}
         )
-    meta = metadata(
+    meta = engine_metadata(
         args.model,
-        page_size=16,
-        backend=detect_backend().name,
-        blas=detect_backend().blas,
-        runs=args.runs,
+        args.runs,
         steps=steps,
         weight_layouts=llm.engine.model_config["_weight_layouts"],
     )

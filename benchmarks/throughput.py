@@ -27,11 +27,10 @@ from mlx_lm.generate import batch_generate, stream_generate
 from tqdm import tqdm
 
 from benchmarks.harness.engine_timing import decode_rate
-from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
+from benchmarks.harness.results import engine_metadata, mean_sd, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
 from minivllm import LLM, SamplingParams
 from minivllm.engine import llm_engine
-from minivllm.models.backend import detect_backend
 from minivllm.models.cpu_layout import TransposedLinear
 from minivllm.models.loader import load_model
 
@@ -155,12 +154,9 @@ def main(argv: list[str] | None = None) -> None:
                     rates[name][metric].append(engine.decode(batch, decode_n))
     rows = report_rows(rates, limits, memory, len(long_prompt))
     swapped = sum(isinstance(m, TransposedLinear) for _, m in ours_model.named_modules())
-    meta = metadata(
+    meta = engine_metadata(
         args.model,
-        page_size=16,
-        backend=detect_backend().name,
-        blas=detect_backend().blas,
-        runs=args.runs,
+        args.runs,
         decode_tokens=decode_n,
         kv_cache_mib=args.kv_cache_mib,
         weight_layouts=layouts,

@@ -121,6 +121,14 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def engine_metadata(model_dir: Path, runs: int, **extra: Any) -> dict[str, Any]:
+    """metadata() of a benchmark that runs minivllm's engine in its own process: the backend and BLAS."""
+    from minivllm.models.backend import detect_backend
+
+    backend = detect_backend()
+    return metadata(model_dir, page_size=16, backend=backend.name, blas=backend.blas, runs=runs, **extra)
+
+
 def write_results(
     name: str,
     rows: list[dict[str, Any]],
