@@ -43,6 +43,8 @@ KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
 RUNNER = "minivllm/engine/model_runner.py"
 SPECULATIVE_TESTS = ("tests/test_speculative.py",)
+LAYOUT = "minivllm/models/cpu_layout.py"
+LAYOUT_TESTS = ("tests/test_cpu_layout.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -573,6 +575,31 @@ MUTATIONS = [
         "computed, ahead = [len(s.token_ids) for s in seqs], 1",
         "computed, ahead = [len(s.token_ids) - 1 for s in seqs], 1",
         ("tests/test_overlap.py",),
+    ),
+    # -- the CPU weight layout ------------------------------------------------------------------------------
+    Mutation(
+        "layout-drops-the-bias",
+        "a transposed layer leaves out its bias (q/k/v projections have one)",
+        LAYOUT,
+        "            return mx.addmm(self.bias, x, self.weight_t)",
+        "            return x @ self.weight_t",
+        LAYOUT_TESTS,
+    ),
+    Mutation(
+        "layout-keeps-the-old-weight",
+        "a swapped layer keeps its [out, in] weight beside the transposed copy",
+        LAYOUT,
+        '    layer = TransposedLinear(mx.contiguous(old.weight.T), old.get("bias"))\n',
+        '    layer = TransposedLinear(mx.contiguous(old.weight.T), old.get("bias"))\n    layer.weight = old.weight\n',
+        LAYOUT_TESTS,
+    ),
+    Mutation(
+        "layout-ignores-prefill",
+        "a shape goes transposed when that is faster for decode however much slower for prefill",
+        LAYOUT,
+        "            and self.transposed[prefill] <= PREFILL_SLACK * self.native[prefill]",
+        "            and self.transposed[prefill] <= 10 * PREFILL_SLACK * self.native[prefill]",
+        LAYOUT_TESTS,
     ),
     # -- speculative decoding ------------------------------------------------------------------------------
     Mutation(
