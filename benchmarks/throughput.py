@@ -5,8 +5,8 @@
 Three engines on the same float32 weights (dequantized from the same directory on the CPU backend, with
 OpenBLAS loaded): minivllm as configured (`cpu_weight_layout=auto`), minivllm with nn.Linear's layout
 (`native`: the code before the layout choice) and mlx-lm (`stream_generate` at batch 1, `batch_generate`
-at batch 8); the last two share one copy of the weights. Each run measures every engine in turn, in a
-rotated order, so a busy machine slows them alike. The limit is one batch-1 pass over the model's own
+at batch 8); the last two share one copy of the weights (minivllm's own, when it swapped no layer).
+Each run measures every engine in turn, in a rotated order, so a busy machine slows them alike. The limit is one batch-1 pass over the model's own
 weight matrices, each evaluated alone, in whichever of the two layouts is faster in that run (a decode
 step reads each matrix once: no engine decodes faster than 1000 / limit-ms tokens a second); each
 engine's batch-1 rate is shown as a share of it. Rates exclude model loading; decode rates exclude
@@ -35,6 +35,7 @@ from minivllm.models.cpu_layout import TransposedLinear
 from minivllm.models.loader import load_model
 
 METRICS = ("prefill", "decode1", "decode8")
+LIMIT_CHUNK_BYTES = 512 << 20  # transposed copies alive at once while the limit is measured
 
 
 def prompt_ids(tokenizer, n: int, seed: int) -> list[int]:
@@ -92,14 +93,19 @@ def weight_pass_ms(products: list) -> float:
 
 
 def limit_ms(native: nn.Module) -> tuple[float, float]:
-    """One batch-1 pass over the model's weight matrices, [out, in] as x @ W.T and [in, out] as x @ W
-    (transposed copies made for the pass and freed after it)."""
+    """One batch-1 pass over the model's weight matrices, [out, in] as x @ W.T and [in, out] as x @ W.
+    The transposed copies are made a chunk at a time and freed after it (memory stays one model): each
+    chunk is timed in the order it was copied, so the matrices it reads have left the caches."""
     weights = [m.weight for _, m in native.named_modules() if isinstance(m, nn.Linear)]
     rows = {w.shape[1]: mx.ones((1, w.shape[1])) for w in weights}
     native_ms = weight_pass_ms([lambda w=w: rows[w.shape[1]] @ w.T for w in weights])
-    transposed = [mx.contiguous(w.T) for w in weights]
-    mx.eval(transposed)
-    transposed_ms = weight_pass_ms([lambda w=w: rows[w.shape[0]] @ w for w in transposed])
+    transposed_ms, chunk = 0.0, []
+    for i, w in enumerate(weights):
+        chunk.append(mx.contiguous(w.T))
+        if i == len(weights) - 1 or sum(c.nbytes for c in chunk) + weights[i + 1].nbytes > LIMIT_CHUNK_BYTES:
+            mx.eval(chunk)
+            transposed_ms += weight_pass_ms([lambda w=w: rows[w.shape[0]] @ w for w in chunk])
+            chunk = []
     return native_ms, transposed_ms
 
 
@@ -125,7 +131,15 @@ def main(argv: list[str] | None = None) -> None:
         "peak": mx.get_peak_memory() / 2**30,
     }
     layouts = ours.llm.engine.model_config["_weight_layouts"]
-    loaded = load_model(model_dir, cpu_weight_layout="native")  # shared by minivllm-native and mlx-lm
+    swapped = sum(isinstance(m, TransposedLinear) for _, m in ours_model.named_modules())
+    # the weights in nn.Linear's layout, shared by minivllm-native and mlx-lm: minivllm's own when it
+    # swapped no layer (one copy of the weights in memory), else loaded again
+    engine = ours.llm.engine
+    loaded = (
+        load_model(model_dir, cpu_weight_layout="native")
+        if swapped
+        else (ours_model, engine.tokenizer, engine.model_config)
+    )
     engines = {
         "minivllm": ours,
         "minivllm-native": Minivllm(model_dir, args.kv_cache_mib, "native", loaded),
@@ -153,7 +167,6 @@ def main(argv: list[str] | None = None) -> None:
                     batch = short[:1] if metric == "decode1" else short
                     rates[name][metric].append(engine.decode(batch, decode_n))
     rows = report_rows(rates, limits, memory, len(long_prompt))
-    swapped = sum(isinstance(m, TransposedLinear) for _, m in ours_model.named_modules())
     meta = engine_metadata(
         args.model,
         args.runs,

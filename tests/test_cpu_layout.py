@@ -109,7 +109,13 @@ def test_auto_follows_the_cached_measurement_without_measuring(tiny_model_dir, t
             assert f"{layer.weight.shape[0]}x{layer.weight.shape[1]}" != faster, name
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "machines": [1, 2]}', '["a list"]'])
+ENTRY_OF_ANOTHER_FORM = {"version": 1, "machines": {machine_key(CPU.blas): {"64x64": {"native": {"1": "x"}}}}}
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '{"version": 1, "machines": [1, 2]}', '["a list"]', json.dumps(ENTRY_OF_ANOTHER_FORM)],
+)
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tiny_model_dir, tmp_path, monkeypatch, content):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
     (tmp_path / "cpu_weight_layout.json").write_text(content)

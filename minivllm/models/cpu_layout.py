@@ -130,16 +130,28 @@ def measured_timings(shapes: list[str], cache_file: Path, blas: str) -> dict[str
     key = machine_key(blas)
     cached = _read_cache(cache_file).get(key, {})
     timings = {}
-    for shape in shapes:
-        try:
-            timings[shape] = ShapeTiming(**cached[shape])
-        except (KeyError, TypeError):  # not measured yet, or an entry of another form
-            out_features, in_features = map(int, shape.split("x"))
-            timings[shape] = measure_shape(out_features, in_features)
-            logger.info("weight layout %s: %s", shape, timings[shape])
-    if any(shape not in cached for shape in shapes):
+    timings = {shape: timing for shape in shapes if (timing := _cached_timing(cached.get(shape)))}
+    missing = [shape for shape in shapes if shape not in timings]
+    for shape in missing:
+        out_features, in_features = map(int, shape.split("x"))
+        timings[shape] = measure_shape(out_features, in_features)
+        logger.info("weight layout %s: %s", shape, timings[shape])
+    if missing:
         _write_cache(cache_file, key, {**cached, **{s: asdict(t) for s, t in timings.items()}})
     return timings
+
+
+def _cached_timing(entry: object) -> ShapeTiming | None:
+    """A cache entry as a ShapeTiming, or None when it is absent or not one (every row count's ms)."""
+    rows = {str(r) for r in (*DECODE_ROWS, PREFILL_ROWS)}
+    if not isinstance(entry, dict) or set(entry) != {"native", "transposed"}:
+        return None
+    for times in entry.values():
+        if not isinstance(times, dict) or not rows <= set(times):
+            return None
+        if not all(isinstance(times[r], (int, float)) for r in rows):
+            return None
+    return ShapeTiming(**entry)
 
 
 def _read_cache(path: Path) -> dict:
