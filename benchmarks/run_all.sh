@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m benchmarks.throughput "$@"
+python -m benchmarks.decode_profile "$@"
 python -m benchmarks.pool_scaling "$@"
 python -m benchmarks.long_context "$@"
 python -m benchmarks.cpu_settings "$@"

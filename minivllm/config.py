@@ -8,6 +8,7 @@ DEFAULT_EVICTION = "adaptive"
 PUBLICATION_MODES = ("incremental", "completion")
 SINGLE_FLIGHT_MODES = ("off", "at_completion", "after_prefill")
 SPECULATIVE_MODES = ("off", "ngram")
+CPU_WEIGHT_LAYOUTS = ("auto", "transposed", "native")  # minivllm.models.cpu_layout.LAYOUTS
 
 
 @dataclass
@@ -27,6 +28,9 @@ class EngineConfig:
     # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend
     # only (on a CPU the host's share of a step is small, and a request arriving meanwhile waits one step more)
     overlap: bool | None = None
+    # CPU backend: float32 weight matrices as nn.Linear keeps them ([out, in]), transposed ([in, out]), or
+    # each shape in the layout measured faster on this machine (minivllm.models.cpu_layout)
+    cpu_weight_layout: str = "native"
     # speculative decoding: "ngram" drafts tokens by prompt lookup (minivllm.engine.ngram_draft) and
     # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
     speculative: str = "off"
@@ -54,6 +58,10 @@ class EngineConfig:
         _check(self.publication in PUBLICATION_MODES, f"publication must be one of {PUBLICATION_MODES}")
         _check(
             self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}"
+        )
+        _check(
+            self.cpu_weight_layout in CPU_WEIGHT_LAYOUTS,
+            f"cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}",
         )
         _check(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {SPECULATIVE_MODES}")
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 
 from minivllm.config import (
+    CPU_WEIGHT_LAYOUTS,
     EVICTION_POLICIES,
     PUBLICATION_MODES,
     SINGLE_FLIGHT_MODES,
@@ -197,6 +198,13 @@ OPTIONS: tuple[Option, ...] = (
         bool | None,
         _parse_bool,
         "build and queue the next decode step while the current one runs (default: on a GPU backend only)",
+    ),
+    _engine(
+        "cpu_weight_layout",
+        "MINIVLLM_CPU_WEIGHT_LAYOUT",
+        str,
+        _choice(CPU_WEIGHT_LAYOUTS),
+        "CPU backend: float32 weight matrices transposed, native (as nn.Linear), or auto (each shape as measured faster)",
     ),
     _engine(
         "speculative",

@@ -44,6 +44,8 @@ ROUTING = "minivllm/cluster/routing.py"
 RUNNER = "minivllm/engine/model_runner.py"
 SPECULATIVE_TESTS = ("tests/test_speculative.py",)
 PINS_TESTS = ("tests/test_pins.py",)
+LAYOUT = "minivllm/models/cpu_layout.py"
+LAYOUT_TESTS = ("tests/test_cpu_layout.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -696,6 +698,31 @@ MUTATIONS = [
         "    return states[model]",
         "    return next(iter(states.values()))",
         ("tests/test_multi_model.py",),
+    ),
+    # -- the CPU weight layout ------------------------------------------------------------------------------
+    Mutation(
+        "layout-drops-the-bias",
+        "a transposed layer leaves out its bias (q/k/v projections have one)",
+        LAYOUT,
+        "            return mx.addmm(self.bias, x, self.weight_t)",
+        "            return x @ self.weight_t",
+        LAYOUT_TESTS,
+    ),
+    Mutation(
+        "layout-keeps-the-old-weight",
+        "a swapped layer keeps its [out, in] weight beside the transposed copy",
+        LAYOUT,
+        '    layer = TransposedLinear(mx.contiguous(old.weight.T), old.get("bias"))\n',
+        '    layer = TransposedLinear(mx.contiguous(old.weight.T), old.get("bias"))\n    layer.weight = old.weight\n',
+        LAYOUT_TESTS,
+    ),
+    Mutation(
+        "layout-ignores-prefill",
+        "a shape goes transposed when that is faster for decode however much slower for prefill",
+        LAYOUT,
+        "            and self.transposed[prefill] <= PREFILL_SLACK * self.native[prefill]",
+        "            and self.transposed[prefill] <= 10 * PREFILL_SLACK * self.native[prefill]",
+        LAYOUT_TESTS,
     ),
     # -- speculative decoding ------------------------------------------------------------------------------
     Mutation(

@@ -371,14 +371,15 @@ def test_mlx_lm_loads_the_mixed_precision_directory(converted):
 
 
 def test_cpu_loader_gets_the_exact_float_weights(converted):
-    """On the CPU backend minivllm dequantizes at load, in float32: exactly the GGUF's values."""
+    """On the CPU backend minivllm dequantizes at load, in float32: exactly the GGUF's values (in
+    nn.Linear's layout here, so that the parameters keep their names and shapes)."""
     from mlx.utils import tree_flatten
 
     from minivllm.models.backend import Backend
     from minivllm.models.loader import load_model
 
     out_dir, expected = converted
-    model, _, config = load_model(str(out_dir), backend=Backend("cpu", "test"))
+    model, _, config = load_model(str(out_dir), backend=Backend("cpu", "test"), cpu_weight_layout="native")
     params = dict(tree_flatten(model.parameters()))
     report = {r["name"]: r for r in json.loads((out_dir / "transcode_report.json").read_text())["tensors"]}
     for name, ref in expected.items():

@@ -72,16 +72,6 @@ def require_clean_tree(allow_dirty: bool = False) -> None:
         raise DirtyTree(DIRTY_HELP)
 
 
-def _processor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _version(pkg: str) -> str:
     try:
         return importlib_metadata.version(pkg)
@@ -90,14 +80,14 @@ def _version(pkg: str) -> str:
 
 
 def metadata(model_dir: Path, page_size: int | None = None, **extra: Any) -> dict[str, Any]:
-    from minivllm.models.backend import detect_backend  # noqa: I001  (first: it preloads OpenBLAS before mlx)
+    from minivllm.models.backend import detect_backend, processor_name  # noqa: I001  (first: it preloads OpenBLAS before mlx)
     import mlx.core as mx
 
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
-            "processor": _processor(),
+            "processor": processor_name(),
             "cpu_count": os.cpu_count(),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         },
@@ -129,6 +119,14 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in cols) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def engine_metadata(model_dir: Path, runs: int, **extra: Any) -> dict[str, Any]:
+    """metadata() of a benchmark that runs minivllm's engine in its own process: the backend and BLAS."""
+    from minivllm.models.backend import detect_backend
+
+    backend = detect_backend()
+    return metadata(model_dir, page_size=16, backend=backend.name, blas=backend.blas, runs=runs, **extra)
 
 
 def write_results(

@@ -66,7 +66,9 @@ class LLMEngine:
         self.config = config
         self.backend = detect_backend()
         self.overlap = config.overlap if config.overlap is not None else self.backend.is_gpu
-        self.model, self.tokenizer, self.model_config = load_model(config.model, self.backend)
+        self.model, self.tokenizer, self.model_config = load_model(
+            config.model, self.backend, config.cpu_weight_layout
+        )
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
         self.num_pages = num_pages = self._num_pages(geometry)

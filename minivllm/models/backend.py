@@ -9,8 +9,10 @@ BLAS symbols there. This module must therefore be imported before anything impor
 import ctypes
 import logging
 import os
+import platform
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +74,14 @@ def detect_backend() -> Backend:
     return Backend(
         "cpu", f"OpenBLAS ({OPENBLAS_PATH})" if OPENBLAS_PATH else "MLX bundled reference BLAS (slow)"
     )
+
+
+def processor_name() -> str:
+    """The CPU's model name (what a measurement of the machine depends on, with its core count)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

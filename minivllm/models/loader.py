@@ -3,7 +3,8 @@
 A reference is a local mlx-lm directory, a `.gguf` file (converted once into the cache), a Hugging Face
 repo id (downloaded by mlx-lm's hub client), or None for the offline default model. On the CPU backend
 quantized weights are dequantized to float32 at load: MLX's CPU quantized kernels are unusable and float32
-goes through OpenBLAS. GPU backends keep the quantized weights.
+goes through OpenBLAS; the float32 matrices are then kept in the layout OpenBLAS reads fastest
+(minivllm.models.cpu_layout). GPU backends keep the quantized weights.
 """
 
 import hashlib
@@ -18,6 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from minivllm.models.backend import Backend, detect_backend
+from minivllm.models.cpu_layout import apply_layout
 from minivllm.models.families import check_supported
 from minivllm.models.gguf_transcode import unpack_levels
 from minivllm.models.tokenizer import Tokenizer
@@ -71,7 +73,10 @@ def _converted_gguf(path: Path) -> Path:
     return out
 
 
-def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Module, Tokenizer, dict]:
+def load_model(
+    ref: str | None, backend: Backend | None = None, cpu_weight_layout: str = "auto"
+) -> tuple[nn.Module, Tokenizer, dict]:
+    """cpu_weight_layout: on the CPU backend, the float32 matrices' layout (cpu_layout.LAYOUTS)."""
     backend = backend or detect_backend()
     resolved = resolve_model(ref)
     try:
@@ -80,13 +85,18 @@ def load_model(ref: str | None, backend: Backend | None = None) -> tuple[nn.Modu
         raise ValueError(f"cannot load model {ref!r} ({resolved}): {e}") from e
     check_supported(config, model)
     quantization = describe_quantization(config)
+    layouts = {}
     if not backend.is_gpu:
         model = dequantize_to_float32(model)
+        layouts = apply_layout(model, cpu_weight_layout, cache_dir() / "cpu_weight_layout.json", backend.blas)
     mx.eval(module_arrays(model))
     dtype = activation_dtype(model)
     weights = f"{quantization} ({dtype} activations)" if quantization and backend.is_gpu else str(dtype)
     logger.info("model %s: backend %s, weights %s, BLAS %s", resolved, backend.name, weights, backend.blas)
+    if layouts:
+        logger.info("weight matrices (out x in) by layout: %s", layouts)
     config["_resolved_path"] = resolved
+    config["_weight_layouts"] = layouts
     config["_weights"] = weights
     return model, Tokenizer(tokenizer), config
 

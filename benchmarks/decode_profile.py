@@ -1,0 +1,147 @@
+"""Where a batch-1 decode step's time goes, against one pass over the model's weight matrices.
+
+    python -m benchmarks.decode_profile [--model DIR] [--runs 3] [--quick]
+
+One engine, one request decoding; each run times every probe below in a rotated order (a busy machine
+slows them alike), `--steps` times each, and the table gives the mean over runs of each probe's median:
+  - step: `LLMEngine.step()` as the server runs it (scheduling, the graph, its evaluation, bookkeeping);
+  - step, OpenBLAS 1 thread: the same with OpenBLAS's threads set to one for the step;
+  - graph build: the Python work of building the step's forward and sampling graph, not evaluated;
+  - forward + argmax: that graph evaluated, without the engine around it;
+  - weight pass, each matrix alone: a batch-1 product with every linear layer's weight (in the layout the
+    engine keeps it), evaluated one by one: the bandwidth limit of a step;
+  - weight pass, one graph: the same products evaluated together;
+  - lm_head + argmax: the output layer and the greedy sample over the vocabulary alone.
+"""
+
+import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+
+# isort: split
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from tqdm import tqdm
+
+from benchmarks.harness.results import engine_metadata, mean_sd, print_report, write_results
+from benchmarks.harness.runner import base_parser, parse_args, result_name
+from kernels.paged_attention import build_layout
+from minivllm import LLM, SamplingParams
+from minivllm.models.backend import OPENBLAS_PATH
+from minivllm.models.cpu_layout import TransposedLinear
+from minivllm.models.qwen2 import forward
+
+
+class Probes:
+    def __init__(self, llm: LLM):
+        self.engine = engine = llm.engine
+        prompt = llm.tokenizer.encode("def fibonacci(n): the kernel reads pages of the cache " * 4)[:32]
+        params = SamplingParams(max_tokens=engine.max_model_len - len(prompt), ignore_eos=True)
+        self.seq = engine.add_request("profiled", prompt, params)
+        while not self.seq.output_token_ids:
+            engine.step()
+        self.blas = ctypes.CDLL(OPENBLAS_PATH) if OPENBLAS_PATH else None
+        layers = [m for _, m in engine.model.named_modules() if isinstance(m, (nn.Linear, TransposedLinear))]
+        self.products = [_batch1_product(m) for m in layers]
+        self.head = getattr(engine.model, "lm_head", None) or engine.model.model.embed_tokens.as_linear
+        self.hidden = mx.ones((1, engine.model.args.hidden_size))
+        mx.eval(self.hidden)
+
+    def all(self) -> dict[str, Callable[[], None]]:
+        probes = {
+            "step": self.engine.step,
+            "graph build (Python)": self.build,
+            "forward + argmax": self.forward_argmax,
+            "weight pass, each matrix alone": lambda: [mx.eval(p()) for p in self.products],
+            "weight pass, one graph": lambda: mx.eval([p() for p in self.products]),
+            "lm_head + argmax": lambda: mx.eval(mx.argmax(self.head(self.hidden), axis=-1)),
+        }
+        if self.blas is not None:
+            probes["step, OpenBLAS 1 thread"] = self.step_one_thread
+        return probes
+
+    def build(self) -> mx.array:
+        """A decode token's forward: the request's last computed token again (its K/V rewritten, equal)."""
+        seq, runner = self.seq, self.engine.runner
+        n = seq.num_computed_tokens - 1
+        layout = build_layout([seq.page_table], [n], [1], runner.page_size)
+        return forward(runner.model, mx.array(seq.token_ids[n : n + 1]), runner.kv, layout, [0])
+
+    def forward_argmax(self) -> None:
+        kv = self.engine.runner.kv
+        mx.eval(mx.argmax(self.build(), axis=-1), kv.keys, kv.values)  # as the step evaluates it
+
+    def step_one_thread(self) -> None:
+        threads = self.blas.openblas_get_num_threads()
+        self.blas.openblas_set_num_threads(1)
+        try:
+            self.engine.step()
+        finally:
+            self.blas.openblas_set_num_threads(threads)
+
+
+def _batch1_product(layer: nn.Module) -> Callable[[], mx.array]:
+    if isinstance(layer, TransposedLinear):
+        x = mx.ones((1, layer.weight_t.shape[0]))
+        return lambda: x @ layer.weight_t
+    x = mx.ones((1, layer.weight.shape[1]))
+    return lambda: x @ layer.weight.T
+
+
+def median_ms(fn: Callable[[], object], times: int) -> float:
+    samples = []
+    for _ in range(times):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8, help="timings of each probe per run")
+    p.add_argument("--layout", default="auto", help="MINIVLLM_CPU_WEIGHT_LAYOUT")
+    args = parse_args(p, argv)
+    steps = 3 if args.quick else args.steps
+    llm = LLM(
+        str(args.model),
+        max_num_seqs=1,
+        kv_cache_bytes=256 << 20,
+        enable_prefix_caching=False,
+        single_flight="off",
+        cpu_weight_layout=args.layout,
+    )
+    probes = Probes(llm)
+    named = probes.all()
+    samples: dict[str, list[float]] = {name: [] for name in named}
+    names = list(named)
+    for fn in named.values():
+        fn()  # warm-up: first-call compilation and allocation
+    for run in tqdm(range(args.runs), desc="runs"):
+        for name in names[run % len(names) :] + names[: run % len(names)]:
+            samples[name].append(median_ms(named[name], steps))
+    step = statistics.fmean(samples["step"])
+    rows = []
+    for name, values in samples.items():
+        mean, sd = mean_sd(values)
+        rows.append(
+            {"probe": name, "ms": f"{mean:.1f} ± {sd:.1f}", "share of a step": f"{100 * mean / step:.0f}%"}
+        )
+    meta = engine_metadata(
+        args.model,
+        args.runs,
+        steps=steps,
+        weight_layouts=llm.engine.model_config["_weight_layouts"],
+    )
+    print_report(
+        write_results(
+            result_name("decode_profile", args), rows, meta, out_dir=args.out, allow_dirty=args.allow_dirty
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
