@@ -6,10 +6,10 @@ requests. Reports each metric per server (mean ± sd over runs) and the ratio mi
 On the CPU backend the peer loads a float32 copy of a 4-bit model dir, as minivllm dequantizes at load,
 with OpenBLAS preloaded, as minivllm loads it. --peers measures other ways to run the peer side by side
 (`as-given+bundled` is what a plain `mlx_lm.server --model <dir>` does); --ttft first-chunk times the
-first streamed chunk of any kind instead of the first one with content.
+first streamed chunk of any kind instead of the first one with content (both: a row for each).
 
     python -m benchmarks.peer [--servers minivllm,mlx-lm] [--model DIR] [--runs 3] [--quick]
-        [--peers float32+openblas,as-given+bundled] [--ttft first-content|first-chunk]
+        [--peers float32+openblas,as-given+bundled] [--ttft first-content,first-chunk]
         [--scenarios cold-warm,burst,throughput] [--prompt-tokens N] [--bursts 4,8] [--tag NAME]
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,11 +71,18 @@ class Options:
 
     sizes: Sizes
     scenarios: tuple[str, ...] = SCENARIOS
-    ttft: str = "first-content"
+    ttft: tuple[str, ...] = ("first-content",)
 
 
 def ttft_s(r: client.RequestResult, definition: str) -> float:
     return (r.first_chunk_at if definition == "first-chunk" else r.first_token_at) - r.sent_at
+
+
+def ttft_metrics(m: dict, name: str, group: list[client.RequestResult], opt: Options) -> None:
+    """Mean TTFT of the group under each definition asked for; the default one keeps the plain name."""
+    for definition in opt.ttft:
+        suffix = "" if definition == "first-content" else f" ({definition})"
+        m[f"{name} TTFT ms{suffix}"] = results.mean_sd([ttft_s(r, definition) for r in group])[0] * 1e3
 
 
 QUICK = Sizes(cold_tokens=200, burst_tokens=200, bursts=(4,), short_output=8, throughput_requests=4,
@@ -94,8 +102,8 @@ async def cold_warm(session: runner.Session, run: int, tokenizer, opt: Options, 
     warm = await session.chat(prompt.messages, opt.sizes.short_output)
     raw["cold_warm"] = [cold, warm]
     m["cold/warm: prompt tokens"] = cold.prompt_tokens
-    m["cold/warm: cold TTFT ms"] = ttft_s(cold, opt.ttft) * 1e3
-    m["cold/warm: warm TTFT ms"] = ttft_s(warm, opt.ttft) * 1e3
+    ttft_metrics(m, "cold/warm: cold", [cold], opt)
+    ttft_metrics(m, "cold/warm: warm", [warm], opt)
     m["cold/warm: warm cached tokens"] = warm.cached_tokens
 
 
@@ -105,7 +113,7 @@ async def bursts(session: runner.Session, run: int, tokenizer, opt: Options, m: 
         prompt = prompts.make_prompt(tokenizer, sz.burst_tokens, 51_000 + 100 * run + i)
         rs = await session.burst([prompt.messages] * n, sz.short_output)
         raw[f"burst_{n}"] = rs
-        m[f"burst {n}: mean TTFT ms"] = results.mean_sd([ttft_s(r, opt.ttft) for r in rs])[0] * 1e3
+        ttft_metrics(m, f"burst {n}: mean", rs, opt)
         m[f"burst {n}: slowest completion ms"] = max(r.latency_s for r in rs) * 1e3
         m[f"burst {n}: mean cached tokens"] = results.mean_sd([r.cached_tokens for r in rs])[0]
 
@@ -168,12 +176,12 @@ def options(args) -> Options:
         sizes = dataclasses.replace(sizes, cold_tokens=args.prompt_tokens, burst_tokens=args.prompt_tokens)
     if args.bursts:
         sizes = dataclasses.replace(sizes, bursts=tuple(args.bursts))
-    return Options(sizes, tuple(args.scenarios), args.ttft)
+    return Options(sizes, tuple(args.scenarios), tuple(args.ttft))
 
 
 def result_name(args, opt: Options) -> str:
     both = set(args.servers) == set(servers.SERVER_NAMES)
-    default = args.peers == [Peer()] and opt.scenarios == SCENARIOS and opt.ttft == "first-content"
+    default = args.peers == [Peer()] and opt.scenarios == SCENARIOS and opt.ttft == ("first-content",)
     tag = args.tag or ("" if default and opt.sizes in (Sizes(), QUICK) else "variants")
     name = "peer" + ("" if both else "-" + "+".join(args.servers)) + (f"-{tag}" if tag else "")
     return name + ("-quick" if args.quick else "")
@@ -181,6 +189,7 @@ def result_name(args, opt: Options) -> str:
 
 async def run(args) -> None:
     tokenizer = prompts.load_tokenizer(args.model)
+    load = os.getloadavg()  # the machine may be shared: other work shifts the ratios
     opt = options(args)
     specs = server_specs(args)
     by_server = await runner.run_configs(specs, args.runs, lambda s, r: peer_run(s, r, tokenizer, opt))
@@ -190,7 +199,7 @@ async def run(args) -> None:
     peers = {p.label: {"weights": p.weights, "blas": p.blas} for p in args.peers if "mlx-lm" in args.servers}
     meta = results.metadata(args.model, args.page_size, servers=args.servers, served_models=served, runs=args.runs,
                       env=args.env, sizes=vars(opt.sizes), peers=peers, scenarios=list(opt.scenarios),
-                      ttft=opt.ttft)  # fmt: skip
+                      ttft=list(opt.ttft), load_average_at_start=load)  # fmt: skip
     paths = results.write_results(
         name, rows, meta, out_dir=args.out, raw=by_server, notes=NOTES, allow_dirty=args.allow_dirty
     )
@@ -226,7 +235,11 @@ def main(argv: list[str] | None = None) -> None:
         "copy, as minivllm computes) or as-given (the model dir itself); BLAS openblas (preloaded) or bundled "
         "(MLX's own, as a plain install runs)",
     )
-    p.add_argument("--ttft", choices=TTFT_DEFINITIONS, default="first-content", help="what ends the TTFT")
+    p.add_argument(
+        "--ttft",
+        default="first-content",
+        help=f"comma-separated TTFT definitions, a row each: {','.join(TTFT_DEFINITIONS)}",
+    )
     p.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}"
     )
@@ -242,7 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.servers) - set(servers.SERVER_NAMES)
     if unknown:
         p.error(f"unknown servers {sorted(unknown)}")
-    args.scenarios = args.scenarios.split(",")
+    args.scenarios, args.ttft = args.scenarios.split(","), args.ttft.split(",")
+    if set(args.ttft) - set(TTFT_DEFINITIONS):
+        p.error(
+            f"--ttft: unknown {sorted(set(args.ttft) - set(TTFT_DEFINITIONS))}; expected {TTFT_DEFINITIONS}"
+        )
     if set(args.scenarios) - set(SCENARIOS):
         p.error(f"--scenarios: unknown {sorted(set(args.scenarios) - set(SCENARIOS))}; expected {SCENARIOS}")
     if args.prompt_tokens < 0 or any(n < 1 for n in args.bursts):
