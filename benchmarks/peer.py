@@ -199,7 +199,8 @@ async def run(args) -> None:
     peers = {p.label: {"weights": p.weights, "blas": p.blas} for p in args.peers if "mlx-lm" in args.servers}
     meta = results.metadata(args.model, args.page_size, servers=args.servers, served_models=served, runs=args.runs,
                       env=args.env, sizes=vars(opt.sizes), peers=peers, scenarios=list(opt.scenarios),
-                      ttft=list(opt.ttft), load_average_at_start=load)  # fmt: skip
+                      ttft=list(opt.ttft), load_average_at_start=load,
+                      openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS", "unset"))  # fmt: skip
     paths = results.write_results(
         name, rows, meta, out_dir=args.out, raw=by_server, notes=NOTES, allow_dirty=args.allow_dirty
     )
