@@ -639,6 +639,22 @@ MUTATIONS = [
         "room = share",
         SPECULATIVE_TESTS,
     ),
+    Mutation(
+        "peer-ttft-one-definition",
+        "the peer benchmark's first-chunk TTFT is timed to the first content instead",
+        "benchmarks/peer.py",
+        'return (r.first_chunk_at if definition == "first-chunk" else r.first_token_at) - r.sent_at',
+        "return r.first_token_at - r.sent_at",
+        ("tests/test_peer_options.py", "-k", "ttft"),
+    ),
+    Mutation(
+        "peer-bundled-blas-keeps-openblas",
+        "the peer run with MLX's bundled BLAS keeps an inherited OpenBLAS preload",
+        "benchmarks/harness/servers.py",
+        'if p and "openblas" not in p',
+        "if p",
+        ("tests/test_peer_options.py", "-k", "blas"),
+    ),
 ]
 
 
