@@ -830,6 +830,22 @@ MUTATIONS = [
         "            return lo + 1\n",
         ("tests/test_cache_api.py",),
     ),
+    Mutation(
+        "peer-ttft-one-definition",
+        "the peer benchmark's first-chunk TTFT is timed to the first content instead",
+        "benchmarks/peer.py",
+        'return (r.first_chunk_at if definition == "first-chunk" else r.first_token_at) - r.sent_at',
+        "return r.first_token_at - r.sent_at",
+        ("tests/test_peer_options.py", "-k", "ttft"),
+    ),
+    Mutation(
+        "peer-bundled-blas-keeps-openblas",
+        "the peer run with MLX's bundled BLAS keeps an inherited OpenBLAS preload",
+        "benchmarks/harness/servers.py",
+        'if p and "openblas" not in p',
+        "if p",
+        ("tests/test_peer_options.py", "-k", "blas"),
+    ),
 ]
 
 

@@ -22,6 +22,7 @@ class RequestResult:
     sent_at: float  # time.perf_counter() at send
     first_token_at: float
     finished_at: float
+    first_chunk_at: float = math.nan  # the first streamed chunk of any kind (a role-only or empty one too)
 
 
 def make_client(api_url: str, timeout_s: float = 3600.0):
@@ -42,7 +43,7 @@ async def stream_chat(
 ) -> RequestResult:
     """One streamed greedy chat completion, timed on the client. `first_token` is set on first content."""
     sent = time.perf_counter()
-    first = math.nan
+    first = first_chunk = math.nan
     parts: list[str] = []
     usage = None
     stream = await client.chat.completions.create(
@@ -55,6 +56,8 @@ async def stream_chat(
         **kw,
     )
     async for chunk in stream:
+        if math.isnan(first_chunk):
+            first_chunk = time.perf_counter()
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -79,6 +82,7 @@ async def stream_chat(
         sent_at=sent,
         first_token_at=first,
         finished_at=end,
+        first_chunk_at=first_chunk,
     )
 
 

@@ -19,6 +19,9 @@ from benchmarks.harness.models import OPENBLAS, float32_copy, is_cpu_backend, is
 from benchmarks.harness.results import REPO_ROOT, RESULTS_DIR
 
 SERVER_NAMES = ("minivllm", "mlx-lm")
+# How mlx_lm.server runs a quantized model on the CPU backend (defaults: the same compute as minivllm's).
+PEER_WEIGHTS = ("float32", "as-given")  # a dequantized float32 copy | the model dir as given (4-bit kernels)
+PEER_BLAS = ("openblas", "bundled")  # OpenBLAS preloaded | MLX's bundled reference BLAS (a plain install)
 
 
 @dataclass
@@ -33,6 +36,14 @@ class ServerSpec:
     replicas: int | None = None  # minivllm only: `minivllm serve --replicas N` on a local Ray Serve
     routing: str = "affinity"  # with replicas: affinity | round-robin | least-loaded
     root: Path = REPO_ROOT  # the checkout whose minivllm server runs (another one: a baseline)
+    peer_weights: str = "float32"  # mlx-lm only, on the CPU backend: one of PEER_WEIGHTS
+    peer_blas: str = "openblas"  # mlx-lm only, on the CPU backend: one of PEER_BLAS
+
+    def __post_init__(self) -> None:
+        if self.peer_weights not in PEER_WEIGHTS:
+            raise ValueError(f"peer_weights {self.peer_weights!r}: expected one of {PEER_WEIGHTS}")
+        if self.peer_blas not in PEER_BLAS:
+            raise ValueError(f"peer_blas {self.peer_blas!r}: expected one of {PEER_BLAS}")
 
 
 @dataclass
@@ -62,12 +73,18 @@ def _port_in_use(port: int) -> bool:
 
 
 def served_model_dir(spec: ServerSpec) -> Path:
-    """The peer must run the same weights at the same dtype as minivllm.
+    """By default the peer runs the same weights at the same dtype as minivllm.
 
-    On CPU minivllm dequantizes a 4-bit dir to float32 at load, while mlx_lm.server would run the
-    4-bit weights through quantized_matmul (unusably slow on CPU), so the peer gets a float32 copy.
+    On CPU minivllm dequantizes a quantized dir to float32 at load, while mlx_lm.server would run the
+    quantized weights through quantized_matmul, so the peer gets a float32 copy. peer_weights="as-given"
+    serves the dir itself, as `mlx_lm.server --model <dir>` does for its users.
     """
-    if spec.name == "mlx-lm" and is_cpu_backend() and is_quantized(spec.model):
+    if (
+        spec.name == "mlx-lm"
+        and spec.peer_weights == "float32"
+        and is_cpu_backend()
+        and is_quantized(spec.model)
+    ):
         return float32_copy(spec.model)
     return spec.model
 
@@ -83,9 +100,13 @@ def _server_command(spec: ServerSpec, model: Path, port: int) -> tuple[list[str]
             return [sys.executable, "-m", "server.cli", "serve", *host, *replicas], env
         return [sys.executable, "-m", "uvicorn", "server.app:app", *host], env
     if spec.name == "mlx-lm":
-        if is_cpu_backend() and OPENBLAS.exists():
+        if spec.peer_blas == "openblas" and is_cpu_backend() and OPENBLAS.exists():
             # MLX's bundled reference BLAS is ~50x slower for float32 matmul; minivllm loads OpenBLAS too.
+            # A plain mlx_lm.server install runs on the bundled one (peer_blas="bundled").
             env["LD_PRELOAD"] = ":".join(p for p in (str(OPENBLAS), env.get("LD_PRELOAD", "")) if p)
+        elif spec.peer_blas == "bundled":
+            preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
+            env["LD_PRELOAD"] = ":".join(preload)
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), *host, *spec.extra_args]
         return cmd, env
     raise ValueError(f"unknown server {spec.name!r}; expected one of {SERVER_NAMES}")
