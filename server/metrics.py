@@ -6,7 +6,8 @@ one local engine, one series per replica (label `replica`) behind the Ray Serve 
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -135,6 +136,7 @@ class _EngineCollector:
                 for value, key in keys.items():
                     metric.add_metric(([replica] if labelled else []) + [value], stats.get(key, 0))
             yield metric
+        yield _token_gaps(by_replica, labelled)
         if self.shadow is not None and self.shadow.rates:
             metric = GaugeMetricFamily(
                 "minivllm_cache_shadow_hit_rate",
@@ -145,6 +147,19 @@ class _EngineCollector:
             for rate in self.shadow.rates:
                 metric.add_metric([rate.policy, f"{rate.pool_factor:g}"], rate.hit_rate)
             yield metric
+
+
+def _token_gaps(by_replica: dict[str | None, dict], labelled: bool) -> HistogramMetricFamily:
+    """The engine's inter-token gaps in steps (its cumulative bucket counts) as a Prometheus histogram."""
+    metric = HistogramMetricFamily(
+        "minivllm_inter_token_steps",
+        "Engine steps between two tokens of a request (1: it got a token in every step)",
+        labels=["replica"] if labelled else [],
+    )
+    for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or ""):
+        buckets = [(floatToGoString(b), n) for b, n in stats.get("token_gap_buckets") or [(float("inf"), 0)]]
+        metric.add_metric([replica] if labelled else [], buckets, stats.get("token_gap_steps", 0))
+    return metric
 
 
 class Metrics:
