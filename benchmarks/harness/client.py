@@ -94,21 +94,37 @@ async def warmup(client, model: str) -> None:
     await stream_chat(client, [{"role": "user", "content": "Hi"}], 4, model=model)
 
 
-def fetch_metrics(base_url: str) -> dict[str, float]:
-    """Prometheus samples summed over labels, by sample name; {} when /metrics is absent."""
+def _metric_families(base_url: str) -> list:
+    """The server's /metrics, parsed; [] when it is absent or unreadable."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         resp = httpx.get(base_url + "/metrics", timeout=5.0)
     except httpx.HTTPError:
-        return {}
+        return []
     if resp.status_code != 200:
-        return {}
-    values: dict[str, float] = {}
+        return []
     try:
-        for family in text_string_to_metric_families(resp.text):
-            for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return list(text_string_to_metric_families(resp.text))
     except ValueError:
-        return {}
+        return []
+
+
+def fetch_metrics(base_url: str) -> dict[str, float]:
+    """Prometheus samples summed over labels, by sample name; {} when /metrics is absent."""
+    values: dict[str, float] = {}
+    for family in _metric_families(base_url):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
+
+
+def fetch_buckets(base_url: str, histogram: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound (summed over other labels); {} if absent."""
+    buckets: dict[float, float] = {}
+    for family in _metric_families(base_url):
+        for sample in family.samples:
+            if sample.name == histogram + "_bucket":
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
