@@ -119,13 +119,17 @@ async def measure(base_url: str, model: str, prompt_tokens: int, shorts: int, sh
         except TimeoutError:  # counted as its timeout: a lower bound of its TTFT
             ttfts.append(short_timeout)
             break
-    shorts_end = await snapshot(base_url)
+    shorts_end = end = await snapshot(base_url)
+    while not long.done():  # the window's end: the last scrape while the long prompt still prefilled
+        await asyncio.wait({long}, timeout=0.5)
+        now = await snapshot(base_url)
+        if now.values.get(COMPUTED, 0) < idle.values.get(COMPUTED, 0) + prompt_tokens:
+            end = now  # not after it: the stream alone decodes in much shorter steps
     await long
-    end = await snapshot(base_url)  # the prefill's end, give or take the step that reads this
-    long_s = end.time - long_start
+    long_s = time.monotonic() - long_start
     done.set()
     await streamer
-    # the stream's gaps over the whole prefill: from the engine's histogram, and as the client saw them
+    # the stream's gaps over the prefill: from the engine's histogram, and as the client received them
     gaps = [b - a for a, b in zip(stream_times, stream_times[1:]) if start.time <= a and b <= end.time]
     return {
         "ttfts": ttfts,
