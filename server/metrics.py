@@ -7,7 +7,8 @@ one local engine, one series per model (label `model`) when several are served, 
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -153,6 +154,7 @@ class _EngineCollector:
                 for value, key in keys.items():
                     metric.add_metric(values + [value], stats.get(key, 0))
             yield metric
+        yield _token_gaps(labels, rows)
         if any(shadow.rates for shadow in self.shadows.values()):
             several = len(self.engines) > 1
             metric = GaugeMetricFamily(
@@ -181,6 +183,19 @@ class _EngineCollector:
             for replica, stats in sorted(by_replica.items(), key=lambda item: item[0] or "")
         ]
         return labels, rows
+
+
+def _token_gaps(labels: list[str], rows: list[tuple[list[str], dict]]) -> HistogramMetricFamily:
+    """The engines' inter-token gaps in steps (their cumulative bucket counts) as a Prometheus histogram."""
+    metric = HistogramMetricFamily(
+        "minivllm_inter_token_steps",
+        "Engine steps between two tokens of a request (1: it got a token in every step)",
+        labels=labels,
+    )
+    for values, stats in rows:
+        buckets = [(floatToGoString(b), n) for b, n in stats.get("token_gap_buckets") or [(float("inf"), 0)]]
+        metric.add_metric(values, buckets, stats.get("token_gap_steps", 0))
+    return metric
 
 
 class Metrics:

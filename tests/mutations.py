@@ -251,6 +251,23 @@ MUTATIONS = [
         "body.seed + first_index + j",
         ("tests/test_server.py", "-k", "seed"),
     ),
+    Mutation(
+        "decodes-sit-out-prefills",
+        "a running decode gets no token in the steps in which a prompt is being prefilled",
+        SCHEDULER,
+        "if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or budget == 0:",
+        "if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or budget == 0 or any("
+        "s.in_prefill for s in self.running):",
+        ("tests/test_scheduler.py", "-k", "every_step"),
+    ),
+    Mutation(
+        "token-gap-from-nothing",
+        "a request's first token counts as a gap (of every step the engine ran before it)",
+        "minivllm/engine/llm_engine.py",
+        "        if seq.last_token_step:\n",
+        "        if True:\n",
+        ("tests/test_engine.py", "-k", "long_prefill"),
+    ),
     # -- the OpenAI API: sampling controls, grammars, tools ----------------------------------------------------
     Mutation(
         "grammar-mask-dropped",

@@ -7,7 +7,9 @@ import pytest
 
 from kernels import activations
 from minivllm import LLM, SamplingParams
+from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.token_gaps import TokenGaps
 from tests.reference import MlxLmReference
 from tests.tiny_model import BYTES_PER_PAGE
 
@@ -262,3 +264,29 @@ def test_a_seeded_request_draws_new_randomness_at_every_position(tiny_model_dir)
     params = SamplingParams(max_tokens=24, temperature=1e4, seed=11, ignore_eos=True)
     (out,) = llm.generate([prompt], params)
     assert len(set(out.token_ids)) >= 12, out.token_ids
+
+
+def test_a_decoding_request_gets_a_token_in_every_step_of_a_long_prefill(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=8 << 20, max_num_batched_tokens=64)
+    )
+    stream = engine.add_request("stream", random_prompts([8])[0], greedy(200))
+    engine.step()  # its prompt: it decodes from here on
+    engine.add_request("long", random_prompts([600], seed=1)[0], greedy(1))  # 10 steps or more
+    steps = 0
+    while "long" in engine.requests:
+        engine.step()
+        steps += 1
+    tokens = len(stream.output_token_ids)
+    assert steps >= 10 and tokens == steps + 1  # one token in the first step and in each since
+    # the engine's own count: every gap after the first token is one step
+    assert engine.token_gaps.counts[0] == tokens - 1 == engine.token_gaps.total_steps
+    assert sum(engine.token_gaps.counts) == tokens - 1
+
+
+def test_token_gaps_are_counted_in_step_buckets():
+    gaps = TokenGaps()
+    for steps in (1, 1, 2, 5, 300):
+        gaps.record(steps)
+    assert gaps.total_steps == 309
+    assert gaps.cumulative() == [(1.0, 2), (2.0, 3), (3.0, 3), (4.0, 3), (8.0, 4), (16.0, 4), (64.0, 4), (256.0, 4), (float("inf"), 5)]  # fmt: skip

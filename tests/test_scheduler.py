@@ -188,6 +188,25 @@ def test_a_short_request_starts_at_once_beside_a_long_prefill():
     assert long.in_prefill
 
 
+def test_a_running_decode_gets_a_token_in_every_step_of_a_long_prefill():
+    s = make(num_pages=128, budget=16)
+    stream = request("stream", [5, 6, 7], max_tokens=100)
+    s.add(stream)
+    step(s)
+    long = request("long", list(range(1, 300)), max_tokens=1)  # 299 prompt tokens: 20 steps or more
+    s.add(long)
+    steps = 0
+    while not long.is_finished:
+        if steps % 3 == 0:  # short requests come and go meanwhile, one prefill step and one token each
+            s.add(request(f"short{steps}", list(range(400 + steps, 410 + steps)), max_tokens=1))
+        before = len(stream.token_ids)
+        scheduled = step(s)
+        steps += 1
+        assert dict(zip(scheduled.seqs, scheduled.num_tokens))[stream] == 1
+        assert len(stream.token_ids) == before + 1
+    assert steps >= 20 and not stream.is_finished
+
+
 # -- prefix flights ----------------------------------------------------------------------------------------
 SHARED = list(range(1, 33))  # 8 pages every request of a fan-out shares
 

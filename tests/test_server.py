@@ -376,6 +376,10 @@ def test_metrics_move(server, client):
         "minivllm_e2e_request_latency_seconds_count",
     ):
         assert after[name] > before.get(name, 0), name
+    # its 3 tokens: 2 gaps of one step each in the engine's inter-token histogram
+    for name in ("bucket{le=1.0}", "bucket{le=+Inf}", "count", "sum"):
+        name = f"minivllm_inter_token_steps_{name}"
+        assert after[name] - before.get(name, 0) == 2, name
     assert after["minivllm_prefix_cache_hits_total{tier=ram}"] > 0  # LONG_PROMPT ran before
     assert after["minivllm_prefix_cache_hits_total{tier=disk}"] == 0  # no disk tier
     assert after["minivllm_pages_total"] == server.engine.kv.pool.num_pages

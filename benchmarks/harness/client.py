@@ -98,21 +98,42 @@ async def warmup(client, model: str) -> None:
     await stream_chat(client, [{"role": "user", "content": "Hi"}], 4, model=model)
 
 
-def fetch_metrics(base_url: str) -> dict[str, float]:
-    """Prometheus samples summed over labels, by sample name; {} when /metrics is absent."""
+def scrape(base_url: str) -> list:
+    """The server's /metrics, parsed into metric families; [] when it is absent or unreadable."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         resp = httpx.get(base_url + "/metrics", timeout=5.0)
     except httpx.HTTPError:
-        return {}
+        return []
     if resp.status_code != 200:
-        return {}
-    values: dict[str, float] = {}
+        return []
     try:
-        for family in text_string_to_metric_families(resp.text):
-            for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return list(text_string_to_metric_families(resp.text))
     except ValueError:
-        return {}
+        return []
+
+
+def sample_sums(families: list) -> dict[str, float]:
+    """Prometheus samples summed over labels, by sample name."""
+    values: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
+
+
+def bucket_counts(families: list, histogram: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound (summed over other labels); {} if absent."""
+    buckets: dict[float, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == histogram + "_bucket":
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
+
+
+def fetch_metrics(base_url: str) -> dict[str, float]:
+    """Prometheus samples summed over labels, by sample name; {} when /metrics is absent."""
+    return sample_sums(scrape(base_url))

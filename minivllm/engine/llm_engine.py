@@ -24,6 +24,7 @@ from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, Launched
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.token_gaps import TokenGaps
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
@@ -88,6 +89,7 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None  # queued on the device, completed by the next step()
         self.num_steps = 0
         self.num_steps_ahead = 0  # steps launched before the previous one was read back
+        self.token_gaps = TokenGaps()  # steps between a request's tokens (fair steps: 1 while it decodes)
         logger.info(
             "KV pool: %d pages of %d tokens (%.1f MiB, %s); prefix cache %s, eviction %s, publication %s, "
             "single flight %s, speculative %s",
@@ -245,6 +247,7 @@ class LLMEngine:
             self.kv.write_behind(self.runner.page_payloads)
             for seq, (length, num_logprobs) in zip(seqs, before):
                 if len(seq.token_ids) > length:  # one new token, or several from a verified draft
+                    self._record_gap(seq)
                     tokens, logprobs = seq.token_ids[length:], seq.logprobs[num_logprobs:]
                     outputs[seq.request_id] = self._output(seq, tokens, logprobs)
             return self._collect(outputs)
@@ -252,6 +255,12 @@ class LLMEngine:
             failed = self.scheduler.step_seqs or list(self.requests.values())
             logger.exception("step failed; failing %d requests", len(failed))
             return self.fail(failed, e)
+
+    def _record_gap(self, seq: Sequence) -> None:
+        """seq got tokens in this step: the steps since its previous tokens (none before its first)."""
+        if seq.last_token_step:
+            self.token_gaps.record(self.num_steps - seq.last_token_step)
+        seq.last_token_step = self.num_steps
 
     def _apply_disk_restores(self) -> None:
         """Pages the disk tier has read for waiting requests go into the pools; they can run now."""
@@ -344,6 +353,8 @@ class LLMEngine:
             "pins_given_way": self.kv.pin_counters.pins_given_way,
             "steps": self.num_steps,
             "steps_ahead": self.num_steps_ahead,
+            "token_gap_buckets": self.token_gaps.cumulative(),
+            "token_gap_steps": self.token_gaps.total_steps,
             "spec_draft_tokens": self.scheduler.spec_counters.draft_tokens,
             "spec_accepted_tokens": self.scheduler.spec_counters.accepted_tokens,
             "grammar_masks": self.mask_counters.masks,

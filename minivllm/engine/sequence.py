@@ -63,6 +63,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)
     arrival_time: float = field(default_factory=time.monotonic)
+    last_token_step: int = 0  # the engine step that gave its latest token (0: none yet)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
