@@ -33,8 +33,8 @@ from minivllm.replay import load_trace, replay
 CAPACITIES = (1000, 3000, 10000)
 BASELINES = ("lru", "s3fifo")
 BAR = 0.97
-HISTORIES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # on the full traces
-SUITE_HISTORIES = (2.0, 3.0, 4.0, 8.0)  # on the robustness suite
+HISTORIES = (2.0, 4.0, 8.0)  # on the full traces
+SUITE_HISTORIES = (2.0, 4.0)  # on the robustness suite
 DEFAULT_HISTORY = 4.0
 TRACES_DIR = REPO.parent / "shared" / "traces"
 
