@@ -9,6 +9,8 @@ a request's last block is partial and new (its content differs from whatever con
   where frequency-based policies hold on to the past).
 - conversation_forest: recency-heavy chat: a small set of active conversations growing turn by turn
   from a shared root, some forking from an earlier turn (edits, regenerations), ending and replaced.
+- recency_forest: conversations picked by how recently they were active (a user keeps talking to the
+  conversation they just used, and comes back to older ones ever more rarely), where LRU is strong.
 - windows: contiguous slices of a real trace.
 
     python -m benchmarks.adversarial_traces OUT_DIR   # writes every trace of SUITE as JSON lines
@@ -113,6 +115,40 @@ def conversation_forest(
     return out
 
 
+def recency_forest(
+    seed: int = 0,
+    n_requests: int = 4000,
+    root_blocks: int = 2,
+    new_prob: float = 0.15,
+    stay_prob: float = 0.7,
+    turn_blocks: tuple[int, int] = (1, 4),
+    fork_prob: float = 0.2,
+    keep: int = 400,
+) -> list[TraceRequest]:
+    """Conversations in a recency stack: with new_prob a new one starts (a fork of a recent turn with
+    fork_prob), else the one at stack depth d continues, d geometric (each step down taken with
+    stay_prob); the `keep` most recent conversations can come back."""
+    rng, blocks = random.Random(seed), _Blocks()
+    root = blocks.new(root_blocks)
+    stack: list[list[int]] = []  # most recently active first
+    out: list[TraceRequest] = []
+    while len(out) < n_requests:
+        if not stack or rng.random() < new_prob:
+            conversation = list(root)
+            if stack and rng.random() < fork_prob:
+                turn = rng.choice(stack[:20])
+                conversation = turn[: rng.randint(len(root), len(turn))]
+        else:
+            depth = 0
+            while depth < len(stack) - 1 and rng.random() < stay_prob:
+                depth += 1
+            conversation = stack.pop(depth)
+        conversation = conversation + blocks.new(rng.randint(*turn_blocks))
+        stack = [conversation] + stack[: keep - 1]
+        out.append(_request(conversation, blocks, rng))
+    return out
+
+
 def windows(requests: Sequence[TraceRequest], parts: int = 4) -> list[list[TraceRequest]]:
     """The trace cut in `parts` contiguous slices."""
     n = len(requests)
@@ -141,6 +177,29 @@ SUITE: dict[str, Callable[[], list[TraceRequest]]] = {
     ),
     "forest-400-forky": lambda: conversation_forest(
         10, n_requests=8000, active=400, mean_turns=6, turn_blocks=(1, 6), fork_prob=0.4
+    ),
+    "recency-forest": lambda: recency_forest(11),
+    "recency-forest-sticky": lambda: recency_forest(
+        12, new_prob=0.1, stay_prob=0.9, turn_blocks=(1, 6), fork_prob=0.4
+    ),
+    "agent-12prompts-64sessions": lambda: agent_sessions(
+        13,
+        n_requests=3000,
+        n_prompts=12,
+        prompt_blocks=(40, 120),
+        active=64,
+        turn_blocks=(1, 8),
+        scan_prob=0.0,
+    ),
+    "agent-4prompts-long-sessions": lambda: agent_sessions(
+        14,
+        n_requests=3000,
+        n_prompts=4,
+        prompt_blocks=(40, 120),
+        active=20,
+        turn_blocks=(1, 8),
+        mean_turns=40,
+        scan_prob=0.1,
     ),
 }
 

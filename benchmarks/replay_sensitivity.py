@@ -5,8 +5,8 @@ On both full Mooncake traces at 1k, 3k and 10k blocks:
 1. Neighbourhood: the default policy, LRU and the seed's S3FIFO at capacities 4% and 2% either side of
    each point. A difference between two policies smaller than the spread a 2% change of the pool
    causes is not a property of the policy.
-2. Split: the adaptive policy (the default) with RECENT's target adapted, as shipped, against the same
-   policy with the target fixed at a share of the capacity. The best fixed share is chosen in hindsight,
+2. Split: the segmented cache (minivllm.cache.eviction.Segmented, frequency within FREQUENT) with
+   RECENT's target adapted against the same cache with the target fixed at a share of the capacity. The best fixed share is chosen in hindsight,
    per trace and capacity, so it bounds what any rule that only moves the split could reach there.
 
 Writes benchmarks/results/replay_sensitivity.{json,md}.
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from benchmarks.replay_robustness import TRACES_DIR, trace
 from benchmarks.replay_sweep import REPO, TRACES, git_commit, machine, traces_missing
-from minivllm.cache.eviction import Adaptive
+from minivllm.cache.eviction import Segmented
 from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import replay, replay_cache
 
@@ -45,7 +45,7 @@ def hit_rate(job: tuple) -> tuple:
     if share is None:
         result = replay(reqs, policy, capacity)
     else:
-        result = replay_cache(reqs, Adaptive(capacity, recent_share=share), f"{policy}@{share}")
+        result = replay_cache(reqs, Segmented(capacity, recent_share=share), f"{policy}@{share}")
     return job[:4], result.token_hit_rate
 
 

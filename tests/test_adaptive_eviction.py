@@ -1,12 +1,16 @@
-"""The adaptive policy: evicts only when full, tails first, never an in-use key; ARC-style adaptation
-between its recency and frequency segments; counts remembered after eviction; dynamic aging; the value of
-a request count learned from the trace."""
+"""The segmented cache behind the default policy: evicts only when full, tails first, never an in-use key;
+ARC-style adaptation between its recency and frequency segments; counts remembered after eviction; dynamic
+aging; the value of a request count learned from the trace; recency within FREQUENT as ARC proper, and a
+switch of configuration that keeps every key. The default (Adaptive) follows the better of two such
+configurations, simulated side by side."""
 
 import random
 
 import pytest
 
-from minivllm.cache.eviction import FREQUENT, LRU, RECENT, Adaptive
+from benchmarks.adversarial_traces import agent_sessions, recency_forest
+from minivllm.cache.eviction import CONFIGURATIONS, FREQUENT, LRU, RECENT, Adaptive, Segmented
+from minivllm.replay import replay_cache
 
 
 def request(policy, keys, partial=False):
@@ -22,7 +26,7 @@ def request(policy, keys, partial=False):
 
 
 def test_evicts_only_when_full_and_then_one_key():
-    p = Adaptive(4)
+    p = Segmented(4)
     assert request(p, ["a", "b"]) == [] and request(p, ["c", "d"]) == []
     assert len(p) == 4
     # released b, a, d, c (tail first): the oldest tail is b (a and c still have children)
@@ -31,7 +35,7 @@ def test_evicts_only_when_full_and_then_one_key():
 
 
 def test_a_prompt_leaves_from_its_tail_whatever_the_release_order():
-    p = Adaptive(3)
+    p = Segmented(3)
     for key, parent in [("a", None), ("b", "a"), ("c", "b")]:
         p.access(key, parent)
     for key in ["a", "b", "c"]:  # head first: a is the least recently released, but it has a child
@@ -42,7 +46,7 @@ def test_a_prompt_leaves_from_its_tail_whatever_the_release_order():
 
 
 def test_keys_in_use_are_never_evicted():
-    p = Adaptive(2)
+    p = Segmented(2)
     p.access("a")
     p.access("b")  # both in use
     assert p.evict(lambda k: True) is None
@@ -52,13 +56,13 @@ def test_keys_in_use_are_never_evicted():
 
 
 def test_a_key_whose_parent_is_not_cached_is_not_admitted():
-    p = Adaptive(4)
+    p = Segmented(4)
     assert p.access("child", parent="missing") == []
     assert "child" not in p and len(p) == 0
 
 
 def test_a_key_used_twice_survives_a_scan_of_one_time_keys():
-    p, lru = Adaptive(4), LRU(4)
+    p, lru = Segmented(4), LRU(4)
     for policy in (p, lru):
         request(policy, ["hot"])
         request(policy, ["hot"])
@@ -70,7 +74,7 @@ def test_a_key_used_twice_survives_a_scan_of_one_time_keys():
 
 def test_partial_block_used_once_is_the_first_victim():
     for partial, victim in ((False, "c"), (True, "tail")):  # c: the least recently released
-        p = Adaptive(4)
+        p = Segmented(4)
         request(p, ["c"])
         request(p, ["a", "b", "tail"], partial=partial)
         assert request(p, ["d"]) == [victim]
@@ -80,7 +84,7 @@ def test_partial_block_used_once_is_the_first_victim():
 
 
 def test_ghost_hits_move_the_recent_target_as_arc_does():
-    p = Adaptive(4)
+    p = Segmented(4)
     for key in "abcd":
         request(p, [key])
     assert request(p, ["e"]) == ["a"]
@@ -98,7 +102,7 @@ def test_ghost_hits_move_the_recent_target_as_arc_does():
 
 
 def test_a_ghost_evicted_long_ago_does_not_adapt():
-    p = Adaptive(4, history=10)
+    p = Segmented(4, history=10)
     for i in range(30):
         request(p, [i])
     request(p, [0])  # 25 RECENT evictions after its own: beyond ARC's ghost list, still in the history
@@ -108,25 +112,25 @@ def test_a_ghost_evicted_long_ago_does_not_adapt():
 
 def test_a_fixed_recent_share_ignores_ghost_hits():
     for share, target in ((None, 4), (0.0, 0), (0.5, 2)):
-        p = Adaptive(4, recent_share=share)
+        p = Segmented(4, recent_share=share)
         for key in "abcde":
             request(p, [key])
         request(p, ["a"])  # the B1 hit that moves ARC's target to 4 (test above)
         assert p.target_recent == target
     # RECENT (a, b, c) gives the victim while it holds more keys than the fixed target
     for share, victim in ((0.5, "a"), (0.75, "hot")):
-        p = Adaptive(4, recent_share=share)
+        p = Segmented(4, recent_share=share)
         request(p, ["hot"])
         request(p, ["hot"])
         for key in "abc":
             request(p, [key])
         assert request(p, ["d"]) == [victim]
     with pytest.raises(ValueError, match="recent_share"):
-        Adaptive(4, recent_share=1.5)
+        Segmented(4, recent_share=1.5)
 
 
 def test_history_is_bounded():
-    p = Adaptive(4, history=2)
+    p = Segmented(4, history=2)
     for i in range(100):
         request(p, [i])
     # 0..95 were evicted; the history keeps the last 8
@@ -148,9 +152,9 @@ def test_dynamic_aging_retires_a_key_that_was_popular_long_ago():
     assert 2 <= survived < 40  # frequency protects it for a while, aging ends that
 
 
-def trained(reach) -> Adaptive:
+def trained(reach) -> Segmented:
     """A policy that has seen reach(c) of every 840 keys used by at least c requests, c = 1..8."""
-    p = Adaptive(4, history=2000)  # a long history: every reuse is seen
+    p = Segmented(4, history=2000)  # a long history: every reuse is seen
     for generation in range(4):
         for c in range(1, 9):
             for i in range(reach(c)):
@@ -158,7 +162,7 @@ def trained(reach) -> Adaptive:
     return p
 
 
-def victims_among(p: Adaptive, keys: set) -> list:
+def victims_among(p: Segmented, keys: set) -> list:
     """The order in which a stream of keys, each used twice, pushes the given keys out."""
     evicted = []
     for i in range(20):
@@ -189,8 +193,53 @@ def test_a_higher_count_is_never_worth_less():
     assert values == sorted(values)
 
 
+def test_arc_proper_frequent_gives_up_its_least_recently_released_key_whatever_its_count():
+    # recent_share=1: RECENT never exceeds its target, so FREQUENT gives every victim
+    p = Segmented(4, recent_share=1.0, by_count=False)
+    for _ in range(6):
+        request(p, ["old"])  # popular, but long ago
+    for _ in range(2):
+        request(p, ["new"])
+    request(p, ["x"])
+    request(p, ["y"])
+    assert p.segment_sizes() == (2, 2)
+    assert request(p, ["z"]) == ["old"]
+    assert request(p, ["w"]) == ["new"]
+
+
+def test_set_mode_reorders_frequent_and_keeps_every_key():
+    p = trained(lambda c: 840 // c)  # counts predict reuse: by count, the popular key stays
+    for _ in range(6):
+        request(p, ["popular"])
+    for _ in range(2):
+        request(p, ["recent"])
+    keys = set(p)
+    p.set_mode(None, by_count=False)
+    assert set(p) == keys and p.recent_share is None
+    assert victims_among(p, {"popular", "recent"})[0] == "popular"  # now least recently released first
+    p.set_mode(0.5, by_count=True)
+    assert p.target_recent == 2.0
+    with pytest.raises(ValueError, match="recent_share"):
+        p.set_mode(2.0, by_count=True)
+
+
+def test_the_default_follows_the_configuration_that_hits_more():
+    # shared prompts and sessions: frequency with new keys first wins; a recency forest: ARC proper
+    agents = agent_sessions(21, n_requests=600, n_prompts=4, prompt_blocks=(20, 40), active=16, scan_prob=0.3)
+    forest = recency_forest(3, n_requests=600, stay_prob=0.8)
+    for trace, leader in ((agents, 1), (forest, 0)):
+        policy = Adaptive(150)
+        ours = replay_cache(trace, policy, "adaptive").token_hit_rate
+        shadows = [
+            replay_cache(trace, Segmented(150, 4.0, *config), "").token_hit_rate for config in CONFIGURATIONS
+        ]
+        assert shadows[leader] > shadows[1 - leader]
+        assert policy.mode == leader
+        assert ours >= 0.99 * max(shadows)
+
+
 def test_can_evict_is_honoured_and_skipped_keys_stay_candidates():
-    p = Adaptive(3)
+    p = Segmented(3)
     for key in "abc":
         request(p, [key])
     assert p.evict(lambda k: k != "a") == "b"
@@ -198,7 +247,7 @@ def test_can_evict_is_honoured_and_skipped_keys_stay_candidates():
 
 
 def test_an_inner_key_is_given_up_only_when_no_tail_is_free():
-    p = Adaptive(3)
+    p = Segmented(3)
     request(p, ["a"])
     p.access("b", "a")  # in use, under a cached parent (the pool's private twin pages do this)
     assert p.evict(lambda k: True) == "a"
@@ -207,7 +256,7 @@ def test_an_inner_key_is_given_up_only_when_no_tail_is_free():
 
 
 def test_remove_leaves_no_history():
-    p = Adaptive(4)
+    p = Segmented(4)
     request(p, ["a", "b"])
     p.remove("b")
     assert "b" not in p and p.count("b") is None
@@ -216,13 +265,13 @@ def test_remove_leaves_no_history():
 
 
 def test_heaps_stay_bounded_without_evictions():
-    p = Adaptive(10)
+    p = Segmented(10)
     for _ in range(5000):
         request(p, [0, 1, 2])
     assert sum(len(h) for h in p._heaps) <= 2 * len(p) + 64
 
 
-def check(p: Adaptive, pinned: dict) -> None:
+def check(p: Segmented, pinned: dict) -> None:
     assert len(p) <= p.capacity
     assert sum(p.segment_sizes()) == len(p)
     for key in p:
@@ -232,12 +281,14 @@ def check(p: Adaptive, pinned: dict) -> None:
         assert entry.segment == (FREQUENT if entry.count >= 2 else RECENT)
 
 
-def test_random_concurrent_requests_keep_every_key_reachable():
+@pytest.mark.parametrize("make", [Segmented, Adaptive])
+def test_random_concurrent_requests_keep_every_key_reachable(make):
     rng = random.Random(1)
     prompts = [[]]
     next_key = 0
     for capacity in (5, 17, 60):
-        p = Adaptive(capacity, history=3)
+        policy = make(capacity, history=3)
+        p = policy if make is Segmented else policy.cache
         pinned: dict = {}  # key -> requests using it now
         running = []
         for _ in range(1500):
@@ -246,7 +297,7 @@ def test_random_concurrent_requests_keep_every_key_reachable():
                 for key in reversed(keys):
                     pinned[key] -= 1
                     if pinned[key] == 0:
-                        p.release(key)
+                        policy.release(key)
             else:  # one starts: a random prefix of an earlier prompt, then new blocks
                 base = rng.choice(prompts)
                 keys = base[: rng.randint(0, len(base))] + list(range(next_key, next_key + rng.randint(1, 5)))
@@ -254,7 +305,7 @@ def test_random_concurrent_requests_keep_every_key_reachable():
                 prompts.append(keys)
                 parent, used = None, []
                 for key in keys:
-                    for victim in p.access(key, parent):
+                    for victim in policy.access(key, parent):
                         assert pinned.get(victim, 0) == 0, "evicted a key in use"
                     if key not in p:
                         break  # not admitted (all in use): the rest of the prompt is not cached either

@@ -235,7 +235,8 @@ def test_ordered_evict_and_remove(cls):
 
 def test_make_policy_builds_each_name():
     assert isinstance(make_policy("adaptive", 10), Adaptive)
-    assert make_policy("adaptive", 10, history=2.5).history_cap == 25
+    policy = make_policy("adaptive", 10, history=2.5)
+    assert all(p.history_cap == 25 for p in (policy.cache, *policy.shadows))
     assert isinstance(make_policy("s3fifo", 10), S3FIFO)
     assert isinstance(make_policy("lru", 10), LRU)
     assert isinstance(make_policy("fifo", 10), FIFO)

@@ -1,12 +1,20 @@
 """The default policy against LRU and the seed's S3FIFO on small adversarial traces (the full-size suite is
 benchmarks/replay_robustness.py): it must keep at least 97% of the better one's token hit rate, and leave
-nothing unreachable. Capacities keep the largest request under a third of the cache, as in the real traces."""
+nothing unreachable. Capacities keep the largest request under a third of the cache, as in the real traces.
+On the two Mooncake traces (when present) it must reach the hit-rate floors the policy was accepted on."""
+
+from pathlib import Path
 
 import pytest
 
-from benchmarks.adversarial_traces import agent_sessions, conversation_forest, rotating_prompts
+from benchmarks.adversarial_traces import (
+    agent_sessions,
+    conversation_forest,
+    recency_forest,
+    rotating_prompts,
+)
 from minivllm.config import DEFAULT_EVICTION
-from minivllm.replay import replay
+from minivllm.replay import load_trace, replay
 
 SMALL = dict(prompt_blocks=(5, 15), scan_blocks=(10, 50), turn_blocks=(1, 3))
 TRACES = {
@@ -14,6 +22,17 @@ TRACES = {
     "rotating-prompts": lambda: rotating_prompts(1, n_requests=400, prompt_lifetime=150, **SMALL),
     "forest": lambda: conversation_forest(2, n_requests=600, active=40, mean_turns=8),
     "forest-zipf": lambda: conversation_forest(3, n_requests=600, active=12, mean_turns=10, zipf=1.0),
+    "recency-forest": lambda: recency_forest(4, n_requests=600, stay_prob=0.8),
+    "agent-long-prompts": lambda: agent_sessions(
+        5, n_requests=400, n_prompts=6, prompt_blocks=(20, 40), active=24, scan_prob=0.0, turn_blocks=(1, 4)
+    ),
+}
+TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+FLOORS = {  # (trace, capacity in blocks) -> the least token hit rate accepted
+    ("mooncake_conversation_trace", 1000): 0.0753,
+    ("mooncake_conversation_trace", 10000): 0.2330,
+    ("mooncake_synthetic_trace", 1000): 0.0920,
+    ("mooncake_synthetic_trace", 10000): 0.4462,
 }
 
 
@@ -25,3 +44,11 @@ def test_default_policy_keeps_97_percent_of_the_better_baseline(name, capacity):
     best = max(replay(trace, p, capacity).token_hit_rate for p in ("lru", "s3fifo"))
     assert ours.token_hit_rate >= 0.97 * best
     assert ours.unreachable_blocks == 0
+
+
+@pytest.mark.parametrize(("name", "capacity"), FLOORS)
+def test_default_policy_reaches_the_floors_on_the_mooncake_traces(name, capacity):
+    path = TRACES_DIR / f"{name}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    assert replay(load_trace(path), DEFAULT_EVICTION, capacity).token_hit_rate >= FLOORS[name, capacity]

@@ -69,6 +69,11 @@ def _check_capacity(capacity: int) -> None:
         raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
 
 
+def _check_share(share: float | None) -> None:
+    if share is not None and not 0.0 <= share <= 1.0:
+        raise ValueError(f"recent_share must be in [0, 1] or None, got {share!r}")
+
+
 class _OrderedPolicy(EvictionPolicy):
     """LRU and FIFO: one ordered dict, head = next victim."""
 
@@ -289,6 +294,8 @@ class _Entry:
     partial: bool = False  # a last block shorter than a page, used by one request so far
     children: int = 0  # resident keys whose parent this key is; only childless keys are victims
     pinned: bool = True  # accessed and not released since: in use, never a victim
+    released: int = 0  # release order, set at release
+    value: float = 0.0  # FREQUENT's value ordering (age + expected uses), set at release
     priority: tuple = ()  # victim order within the segment, lowest first; set at release
     version: int = 0  # bumped whenever the entry stops being a candidate: older heap entries are stale
 
@@ -297,13 +304,15 @@ class _Entry:
         return FREQUENT if self.count >= 2 else RECENT
 
 
-class Adaptive(EvictionPolicy):
-    """The engine's default: prefix-aware, adaptive between recency and frequency.
+class Segmented(EvictionPolicy):
+    """A prefix-aware cache in two segments, adaptive between recency and frequency: one configuration of
+    the default policy (``Adaptive``), which runs two of them.
 
     Resident keys are split in two segments (as in ARC, Megiddo and Modha, FAST 2003):
 
     - RECENT holds keys one request used; its victim is the least recently released key.
-    - FREQUENT holds keys two or more requests used; its victim has the lowest priority
+    - FREQUENT holds keys two or more requests used. With ``by_count`` False its victim is the least
+      recently released key, as in ARC; with ``by_count`` True it has the lowest priority
       ``age + expected_uses(count)`` (GreedyDual with dynamic aging, as LFU-DA, Arlitt et al. 2000):
       ``age`` rises to each frequent victim's priority, so a key that was popular long ago ages out.
       ``expected_uses(c)`` is the number of further requests the trace so far shows for a key that
@@ -330,7 +339,7 @@ class Adaptive(EvictionPolicy):
     ``TALLY_WINDOW`` times the capacity, so they follow the recent trace. Every operation is
     O(log n) amortised (heaps with lazy deletion, compacted when stale entries pile up; the
     ``MAX_COUNT``-long table is refitted every ``REFIT_EVERY`` tallies). ``recent_share`` fixes
-    the target at a share of the capacity instead (a diagnostic; the default adapts).
+    the target at a share of the capacity instead (ARC's target is still followed, for ``set_mode``).
     """
 
     MAX_COUNT = 32
@@ -339,16 +348,22 @@ class Adaptive(EvictionPolicy):
 
     prefix_aware = True
 
-    def __init__(self, capacity: int, history: float = 4.0, recent_share: float | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        history: float = 4.0,
+        recent_share: float | None = None,
+        by_count: bool = True,
+    ):
         _check_capacity(capacity)
         if not history > 0:
             raise ValueError(f"history must be > 0, got {history!r}")
-        if recent_share is not None and not 0.0 <= recent_share <= 1.0:
-            raise ValueError(f"recent_share must be in [0, 1] or None, got {recent_share!r}")
+        _check_share(recent_share)
         self.capacity = capacity
         self.history_cap = max(1, round(history * capacity))
         self.recent_share = recent_share  # None: the target is ARC's p, adapted on ghost hits
-        self.target_recent = 0.0 if recent_share is None else recent_share * capacity
+        self.by_count = by_count
+        self.arc_target = 0.0  # ARC's p, adapted on ghost hits whatever the mode
         self.age = 0.0  # LFU-DA's L: the priority of the latest frequent victim
         self._entries: dict[Hashable, _Entry] = {}
         self._heaps: tuple[list, list] = ([], [])  # candidates per segment: (priority, version, key)
@@ -364,6 +379,24 @@ class Adaptive(EvictionPolicy):
         self._tallies = 0  # tallies so far (the refit clock)
         self._window = 0.0  # sum of _reached, halved with it
         self._uses = self._fit_uses()
+
+    @property
+    def target_recent(self) -> float:
+        """RECENT gives the victim while it holds more keys than this."""
+        return self.arc_target if self.recent_share is None else self.recent_share * self.capacity
+
+    def set_mode(self, recent_share: float | None, by_count: bool) -> None:
+        """Switch configuration, keeping every key: FREQUENT's candidates are reordered."""
+        _check_share(recent_share)
+        self.recent_share, self.by_count = recent_share, by_count
+        heap = self._heaps[FREQUENT]
+        live = [item for item in heap if self._is_live(item)]
+        for i, (_, version, key) in enumerate(live):
+            entry = self._entries[key]
+            entry.priority = self._priority(entry)
+            live[i] = (entry.priority, version, key)
+        heapq.heapify(live)
+        heap[:] = live
 
     # --- read-only views (tests, metrics) ---
     def __contains__(self, key: Hashable) -> bool:
@@ -428,11 +461,15 @@ class Adaptive(EvictionPolicy):
             return
         entry.pinned = False
         self._clock += 1
-        if entry.segment == FREQUENT:
-            entry.priority = (self.age + self.expected_uses(entry.count), self._clock)
-        else:  # partial blocks first, then least recently released
-            entry.priority = (not entry.partial, self._clock)
+        entry.released = self._clock
+        entry.value = self.age + self.expected_uses(entry.count)
+        entry.priority = self._priority(entry)
         self._list(key, entry)
+
+    def _priority(self, entry: _Entry) -> tuple:
+        if entry.segment == RECENT:  # partial blocks first, then least recently released
+            return (not entry.partial, entry.released)
+        return (entry.value if self.by_count else 0.0, entry.released)
 
     def _learn(self, count: int) -> None:
         """A key that ``count`` requests used (0: a new key) is used by one more."""
@@ -463,16 +500,14 @@ class Adaptive(EvictionPolicy):
 
     def _adapt(self, segment: int, number: int) -> None:
         """A ghost hit: grow the segment that evicted the key, if it did so recently (ARC's rule)."""
-        if self.recent_share is not None:
-            return  # a fixed split
         free = [max(1, self.capacity - size) for size in self._sizes]  # ARC's ghost list lengths
         if self._evictions[segment] - number >= free[segment]:
             return  # evicted too long ago: a bigger segment would not have kept it
         step = max(1.0, free[1 - segment] / free[segment])
         if segment == RECENT:
-            self.target_recent = min(float(self.capacity), self.target_recent + step)
+            self.arc_target = min(float(self.capacity), self.arc_target + step)
         else:
-            self.target_recent = max(0.0, self.target_recent - step)
+            self.arc_target = max(0.0, self.arc_target - step)
 
     # --- candidates: unpinned keys without resident children, in heaps with lazy deletion ---
     def _list(self, key: Hashable, entry: _Entry) -> None:
@@ -551,13 +586,82 @@ class Adaptive(EvictionPolicy):
                 self._list(entry.parent, parent)
         if ghost:
             if segment == FREQUENT and entry.priority:
-                self.age = max(self.age, entry.priority[0])
+                self.age = max(self.age, entry.value)
             self._evictions[segment] += 1
             self._history.pop(key, None)
             self._history[key] = (entry.count, segment, self._evictions[segment])
             if len(self._history) > self.history_cap:
                 self._history.popitem(last=False)
         return key
+
+
+# The default's two configurations (recent_share, by_count): ARC proper, where recency decides, and
+# frequency with new keys evicted first, where counts decide (shared system prompts).
+CONFIGURATIONS = ((None, False), (0.0, True))
+
+
+class Adaptive(EvictionPolicy):
+    """The engine's default: two configurations of ``Segmented`` simulated side by side, the cache
+    following the one that hits more.
+
+    ARC proper (recency within each segment, ARC's adapted split) is close to LRU where recency rules
+    (conversations that end, forks of recent turns); frequency with new keys evicted first is close to
+    S3FIFO where counts predict reuse (agent sessions on shared prompts). Neither is within 3% of the
+    better of LRU and S3FIFO everywhere, so the policy keeps a shadow of each (keys only, no pages:
+    the same accesses and releases, their own evictions), counts the hits of each over the last
+    ``WINDOW`` times the capacity accesses (exponentially decayed), and switches its own cache to the
+    configuration of the leader once the leader is ahead by ``MARGIN`` of that window (a switch
+    reorders the cached keys, it evicts nothing). This is the miniature-simulation idea (Waldspurger
+    et al., USENIX ATC 2017) at full size. The cache is one ``Segmented``: every guarantee of that
+    class (prefix-aware, tails first, in-use keys never evicted, evicting only when full) holds.
+    """
+
+    WINDOW = 4.0
+    MARGIN = 0.002
+
+    prefix_aware = True
+
+    def __init__(self, capacity: int, history: float = 4.0):
+        _check_capacity(capacity)
+        self.capacity = capacity
+        self.shadows = [Segmented(capacity, history, *config) for config in CONFIGURATIONS]
+        self.cache = Segmented(capacity, history, *CONFIGURATIONS[0])
+        self.mode = 0  # index in CONFIGURATIONS of the configuration the cache runs
+        self.lead = 0.0  # decayed hits of shadow 0 minus those of shadow 1
+        self._decay = 1.0 - 1.0 / (self.WINDOW * capacity)
+        self._margin = self.MARGIN * self.WINDOW * capacity
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self.cache)
+
+    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
+        first, second = self.shadows
+        self.lead = self.lead * self._decay + (key in first) - (key in second)
+        first.access(key, parent, partial)
+        second.access(key, parent, partial)
+        if self.mode == 0 and self.lead < -self._margin or self.mode == 1 and self.lead > self._margin:
+            self.mode = 1 - self.mode
+            self.cache.set_mode(*CONFIGURATIONS[self.mode])
+        return self.cache.access(key, parent, partial)
+
+    def release(self, key: Hashable) -> None:
+        for policy in (*self.shadows, self.cache):
+            policy.release(key)
+
+    def remove(self, key: Hashable) -> None:
+        """Forget a resident key (the shadows, which hold no pages, only stop counting it as in use)."""
+        for shadow in self.shadows:
+            shadow.release(key)
+        self.cache.remove(key)
+
+    def evict(self, can_evict: Callable[[Any], bool]) -> Any:
+        return self.cache.evict(can_evict)
 
 
 def make_policy(
