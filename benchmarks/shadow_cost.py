@@ -1,6 +1,7 @@
 """What the cache advice costs decode: tokens/s with the advice on (each request's page hashes recorded, the
-recorded stream replayed every --interval seconds in its low-priority worker process) and off, interleaved
-in one process on the same engine; and, since a loaded machine's A/B spread hides a 1% difference, the
+recorded stream replayed every --interval seconds in its low-priority worker process, each "on" run starting
+while a replay runs, which the engine's requests must pause) and off, interleaved in one process on the same
+engine; and, since a loaded machine's A/B spread hides a 1% difference, the
 recording's own time per request against one decode step of the same run (a request records once and
 decodes at least one step, so this share bounds what recording costs decode), and the replay's time.
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     synthetic_stream(stream, args.stream_requests, args.stream_pages, page_size)
     decode_rate(llm, args.batch, 4, 0)  # warm up
     rates: dict[str, list[float]] = {"off": [], "on": []}
-    replays = 0
+    replays = pauses = 0
     for r in range(args.repeats):
         for mode in ("on", "off") if r % 2 else ("off", "on"):
             if mode == "off":
@@ -79,14 +80,21 @@ def main(argv: list[str] | None = None) -> None:
                 rates[mode].append(decode_rate(llm, args.batch, args.tokens, r))
                 continue
             engine.hash_stream = stream
-            shadow = ShadowReplay(stream, engine.num_pages, engine.config.eviction, page_size, args.interval)
+            shadow = ShadowReplay(
+                stream, engine.num_pages, engine.config.eviction, page_size, args.interval,
+                busy=lambda: bool(engine.requests),
+            )  # fmt: skip
             shadow.start()
             while shadow.replayed < stream.recorded:  # its worker is up and has replayed once
                 time.sleep(0.1)
+            synthetic_stream(stream, 1, args.stream_pages, page_size)  # a new replay is due
+            while not shadow.replaying:  # decode starts while the worker replays: it must pause it
+                time.sleep(0.01)
             first = shadow.runs
             rates[mode].append(decode_rate(llm, args.batch, args.tokens, r))
-            shadow.close(wait=True)  # its last replay ends before the next measure
+            shadow.close()
             replays += shadow.runs - first
+            pauses += shadow.pauses
     engine_pages, eviction = engine.num_pages, engine.config.eviction
     llm.close()
     rows = []
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         model, batch=args.batch, tokens=args.tokens, interval_s=args.interval,
         stream_requests=args.stream_requests, stream_pages=args.stream_pages,
         replays_while_on=replays,
+        pauses_while_on=pauses,
     )  # fmt: skip
     results.print_report(results.write_results("shadow_cost", rows, meta, allow_dirty=args.allow_dirty))
 

@@ -89,7 +89,12 @@ def _cache_advice(settings: Settings, engine: EngineClient) -> ShadowReplay | No
     eng = engine.engine
     config = eng.config
     shadow = ShadowReplay(
-        engine.hash_stream, eng.num_pages, config.eviction, config.page_size, settings.cache_shadow_interval
+        engine.hash_stream,
+        eng.num_pages,
+        config.eviction,
+        config.page_size,
+        settings.cache_shadow_interval,
+        busy=lambda: bool(eng.requests),  # requests running or waiting: the advice waits (ShadowReplay)
     )
     shadow.start()
     return shadow

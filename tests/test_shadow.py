@@ -3,15 +3,18 @@ stream equals `minivllm replay` on the same stream written as a trace, and a ser
 
 import json
 import re
+import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from benchmarks.shadow_cost import synthetic_stream
 from minivllm import LLM, SamplingParams
 from minivllm.cache.hash_stream import HashStream
 from minivllm.cli import main as cli
-from minivllm.shadow import OPTIMUM, POOL_FACTORS, shadow_rates, trace_of
+from minivllm.shadow import OPTIMUM, POOL_FACTORS, ShadowReplay, shadow_rates, trace_of
 from tests.server_thread import ServerThread, tiny_settings
 
 PAGE = 16
@@ -90,3 +93,36 @@ def test_a_server_exports_the_advice_after_traffic(tiny_model_dir):
         stats = httpx.get(s.url + "/v1/cache/stats").json()
         assert {(r["policy"], r["pool_factor"]) for r in stats["shadow"]} >= {("lru", 0.5), (OPTIMUM, 1.0)}
     assert not shadow._thread.is_alive()
+
+
+def _process_state(pid: int) -> str:
+    """A Linux process's state letter (R running, S sleeping, T stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_the_replay_runs_only_while_the_engine_is_idle():
+    """A replay in the worker is stopped (SIGSTOP) as soon as the engine is busy, and goes on once it is
+    idle; a nice-19 process alone still slows a decode whose BLAS threads take every core."""
+    stream = HashStream(2000)
+    synthetic_stream(stream, 2000, 64, PAGE)
+    busy = threading.Event()
+    shadow = ShadowReplay(stream, 4096, "lru", PAGE, interval_s=0.01, busy=busy.is_set)
+    shadow.start()
+    try:
+        while not shadow.replaying:
+            assert shadow._thread.is_alive()
+            shadow._stop.wait(0.01)
+        busy.set()
+        while _process_state(shadow._worker.pid) != "T":
+            assert shadow.replaying, "the replay ended before the engine's requests could pause it"
+            shadow._stop.wait(0.01)
+        assert shadow.pauses == 1 and shadow.runs == 0
+        busy.clear()
+        while shadow.runs == 0:  # resumed: it finishes
+            assert shadow._thread.is_alive()
+            shadow._stop.wait(0.05)
+        assert shadow.replayed == stream.recorded and len(shadow.rates) == 5  # lru: its 4 sizes, the optimum
+    finally:
+        shadow.close()
+    assert not shadow._worker.is_alive()
