@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             engine.hash_stream = stream
             shadow = ShadowReplay(
                 stream, engine.num_pages, engine.config.eviction, page_size, args.interval,
-                busy=lambda: bool(engine.requests),
+                busy=engine.has_unfinished_requests,
             )  # fmt: skip
             shadow.start()
             while shadow.replayed < stream.recorded:  # its worker is up and has replayed once

@@ -94,7 +94,7 @@ def _cache_advice(settings: Settings, engine: EngineClient) -> ShadowReplay | No
         config.eviction,
         config.page_size,
         settings.cache_shadow_interval,
-        busy=lambda: bool(eng.requests),  # requests running or waiting: the advice waits (ShadowReplay)
+        busy=eng.has_unfinished_requests,  # requests running or waiting: the advice waits (ShadowReplay)
     )
     shadow.start()
     return shadow
