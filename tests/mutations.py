@@ -342,6 +342,22 @@ MUTATIONS = [
         ("tests/test_default_model.py", "-k", "call_grammar"),
     ),
     Mutation(
+        "advice-never-pauses",
+        "the cache advice's replay keeps running while the engine decodes (a nice-19 process took decode to 0.56x)",
+        "minivllm/shadow.py",
+        "                if self.busy() != paused:",
+        "                if False:",
+        ("tests/test_shadow.py", "-k", "idle"),
+    ),
+    Mutation(
+        "advice-replays-a-shifted-pool",
+        "the cache advice replays the pool one page larger than the factor says",
+        "minivllm/shadow.py",
+        "            pages = max(1, round(capacity * factor))",
+        "            pages = max(1, round(capacity * factor)) + 1",
+        ("tests/test_shadow.py",),
+    ),
+    Mutation(
         "generic-tool-results-unmerged",
         "in the generic tool format, each tool result is its own user turn (not one turn after the calls)",
         "server/generic_tools.py",

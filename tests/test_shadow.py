@@ -69,6 +69,7 @@ def test_shadow_rates_equal_minivllm_replay_on_the_same_stream(recorded_traffic,
     expected = [(p, f) for p in ("s3fifo", "lru") for f in POOL_FACTORS] + [(OPTIMUM, 1.0)]
     assert [(r.policy, r.pool_factor) for r in rates] == expected
     for rate in rates:
+        assert rate.capacity == max(1, round(capacity * rate.pool_factor)), rate  # the pool it names
         args = ["replay", str(path), "--policy", rate.policy, "--capacity", str(rate.capacity)]
         assert cli([*args, "--block-size", str(PAGE), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["token_hit_rate"] == rate.hit_rate, rate
