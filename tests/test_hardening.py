@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -250,21 +251,35 @@ def test_choices_that_can_never_be_admitted_are_400(burst_server):
     burst_server.wait_idle()
 
 
-def test_burst_admits_the_free_running_slots_plus_the_queue(burst_server):
-    """40 requests at once, 4 free running slots, max_waiting 4: exactly 8 admitted, 32 refused (the inbox is
-    drained into `waiting` before schedule() runs any of them): a request gets 429 with Retry-After, a stream
-    (its headers and a keep-alive already sent) ends with a rate-limit error event."""
-    engine = burst_server.engine
+def test_burst_admits_the_free_running_slots_plus_the_queue(burst_server, monkeypatch):
+    """40 requests at once, 4 free running slots, max_waiting 4: exactly 8 admitted, 32 refused: a request
+    gets 429 with Retry-After, a stream (its headers and a keep-alive already sent) ends with a rate-limit
+    error event. The engine takes no step during the burst: on a slow machine a step could finish an
+    admitted request and free its slot, and the count would depend on timing."""
+    engine, burst_over, step = burst_server.engine, threading.Event(), burst_server.engine.step
+
+    def step_after_the_burst() -> list:
+        if burst_over.is_set():
+            return step()
+        time.sleep(0.001)  # the stepping thread goes on draining its inbox
+        return []
+
+    monkeypatch.setattr(engine, "step", step_after_the_burst)
     refused: list[str | None] = []
+    ended: list[BaseException | str] = []  # admitted requests hold until cancelled: none may end before
 
     async def one(http: httpx.AsyncClient, stream: bool) -> None:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
-        async with http.stream("POST", COMPLETIONS, json=body) as r:
-            if r.status_code == 429:
-                refused.append(r.headers.get("retry-after"))
-                return
-            assert r.status_code == 200
-            if stream:
+        try:
+            async with http.stream("POST", COMPLETIONS, json=body) as r:
+                if r.status_code == 429:
+                    refused.append(r.headers.get("retry-after"))
+                    return
+                assert r.status_code == 200
+                if not stream:
+                    await r.aread()  # holds the request until cancelled, or it ended
+                    ended.append(f"an admitted request ended: {r.status_code}")
+                    return
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):  # the first output, or the refusal
                         error = json.loads(line.removeprefix("data: ")).get("error")
@@ -272,14 +287,26 @@ def test_burst_admits_the_free_running_slots_plus_the_queue(burst_server):
                             assert error["type"] == "rate_limit_error" and "server busy" in error["message"]
                             refused.append("stream")
                             return
-                        break
-            await asyncio.sleep(3600)  # hold the request until cancelled
+                        await asyncio.sleep(3600)  # hold the request until cancelled
+                ended.append("an admitted stream ended")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # recorded, or the wait below would wait for it forever
+            ended.append(e)
+            raise
 
     async def main() -> int:
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(base_url=burst_server.url, timeout=60, limits=limits) as http:
             tasks = [asyncio.create_task(one(http, stream=i % 2 == 1)) for i in range(40)]
+            progress, stalled_since = None, time.monotonic()
             while len(refused) + len(engine.requests) < 40:
+                assert not ended, ended
+                if (len(refused), len(engine.requests)) != progress:
+                    progress, stalled_since = (len(refused), len(engine.requests)), time.monotonic()
+                assert time.monotonic() - stalled_since < 120, (
+                    f"no progress: (refused, admitted) = {progress}"
+                )
                 await asyncio.sleep(0.02)
             admitted = len(engine.requests)
             for t in tasks:
@@ -287,7 +314,9 @@ def test_burst_admits_the_free_running_slots_plus_the_queue(burst_server):
             await asyncio.gather(*tasks, return_exceptions=True)
             return admitted
 
-    assert asyncio.run(main()) == 8
+    admitted = asyncio.run(main())
+    burst_over.set()  # the next step ends the aborted requests
+    assert admitted == 8
     assert len(refused) == 32 and set(refused) == {"1", "stream"}
     burst_server.wait_idle()
 
