@@ -171,6 +171,14 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
+        "default-switches-at-a-small-lead",
+        "the default policy switches configuration at a lead of 0.2% of its window (it thrashed on a window)",
+        "minivllm/cache/eviction.py",
+        "    MARGIN = 0.01",
+        "    MARGIN = 0.002",
+        ("tests/test_policy_robustness.py", "-k", "third"),
+    ),
+    Mutation(
         "arc-frequent-by-count",
         "ARC proper's frequency segment gives up its least used key first, not its least recently released",
         "minivllm/cache/eviction.py",
@@ -976,8 +984,12 @@ def main(argv: list[str] | None = None) -> int:
     selected = [known[n] for n in args.names] if args.names else MUTATIONS
 
     with tempfile.TemporaryDirectory(prefix="minivllm-mutations-") as tmp:
-        root = Path(tmp)
+        root = Path(tmp) / REPO.name
+        root.mkdir()
         copy_tree(root)
+        shared = REPO.parent / "shared"  # the real traces, beside the checkout, where the tests look
+        if shared.is_dir():
+            (Path(tmp) / "shared").symlink_to(shared)
         if not args.no_baseline:
             files = sorted({t for m in selected for t in m.tests if t.endswith(".py")})
             print(f"baseline: {' '.join(files)}", flush=True)
