@@ -48,9 +48,11 @@ def test_benchmarks_readme_is_what_the_tables_script_writes():
 
 def test_the_check_fails_when_the_benchmarks_readme_drifts(tmp_path):
     current = tables.README.read_text()
-    assert "| 10000 | 0.2393 |" in current
+    row = re.search(r"\| 10000 \| (0\.\d{4}) \|", current)  # a hit rate in one of the replay tables
+    assert row is not None
+    other = "0.9999" if row[1] != "0.9999" else "0.0000"
     drifted = tmp_path / "README.md"
-    drifted.write_text(current.replace("| 10000 | 0.2393 |", "| 10000 | 0.2400 |", 1))
+    drifted.write_text(current.replace(row[0], row[0].replace(row[1], other), 1))
     assert tables.main(["--check", "--output", str(drifted)]) == 1
     assert tables.main(["--check", "--output", str(tmp_path / "absent.md")]) == 1
     drifted.write_text(current)
