@@ -25,8 +25,8 @@ class EngineConfig:
     eviction: str = DEFAULT_EVICTION
     publication: str = "incremental"
     single_flight: str = "after_prefill"
-    # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend
-    # only (on a CPU the host's share of a step is small, and a request arriving meanwhile waits one step more)
+    # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend,
+    # and on a CPU for small models, whose step is mostly host work (llm_engine.OVERLAP_CPU_MAX_WEIGHT_BYTES)
     overlap: bool | None = None
     # CPU backend: float32 weight matrices as nn.Linear keeps them ([out, in]), transposed ([in, out]), or
     # each shape in the layout measured faster on this machine (minivllm.models.cpu_layout)

@@ -197,7 +197,8 @@ OPTIONS: tuple[Option, ...] = (
         "MINIVLLM_OVERLAP",
         bool | None,
         _parse_bool,
-        "build and queue the next decode step while the current one runs (default: on a GPU backend only)",
+        "build and queue the next decode step while the current one runs (default: on a GPU backend, and on a "
+        "CPU for models of at most 32 MiB of weights)",
     ),
     _engine(
         "cpu_weight_layout",

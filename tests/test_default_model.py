@@ -72,6 +72,7 @@ def test_default_model_answers_like_mlx_lm():
     from tests.reference import MlxLmReference
 
     llm = LLM(None, kv_cache_bytes=64 << 20)  # None: the offline default model
+    assert llm.engine.overlap == llm.engine.backend.is_gpu  # its step is matmuls: no overlap on a CPU
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write a Python function to reverse a string."}],
         add_generation_prompt=True,

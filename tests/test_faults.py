@@ -222,7 +222,8 @@ async def test_a_duplicate_id_is_refused_even_while_the_first_compiles_its_gramm
 def test_a_fault_in_a_step_makes_llm_generate_raise(tiny_model_dir, monkeypatch):
     """A failed request is never returned as a short or empty completion: generate raises, naming the
     requests and the fault, once the call's requests have ended; the engine goes on."""
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20)
+    # steps one at a time (with overlap the third launch is of a step ahead: the tokens counted differ)
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, overlap=False)
     prompts = random_prompts([12, 30], seed=35)
     real_launch, launches = llm.engine.runner.launch, []
 

@@ -4,6 +4,7 @@ endings as one step at a time, nothing delivered after an abort, waiting request
 
 import pytest
 
+import minivllm.engine.llm_engine as llm_engine
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -115,7 +116,9 @@ def test_a_step_ahead_never_preempts(tiny_model_dir, reference):
     assert [seen[f"p{i}"][0] for i in range(4)] == [reference.greedy(p, 60) for p in prompts]
 
 
-def test_overlap_is_on_by_default_on_a_gpu_backend_only(tiny_model_dir):
+def test_overlap_is_on_by_default_on_a_gpu_backend_and_for_small_models(tiny_model_dir, monkeypatch):
+    assert make_engine(tiny_model_dir, overlap=None).overlap is True  # a tiny model: on, on any backend
+    monkeypatch.setattr(llm_engine, "OVERLAP_CPU_MAX_WEIGHT_BYTES", 0)  # every model is large now
     engine = make_engine(tiny_model_dir, overlap=None)
     assert engine.overlap == engine.backend.is_gpu
     assert make_engine(tiny_model_dir, overlap=False).overlap is False

@@ -28,10 +28,15 @@ from minivllm.engine.token_gaps import TokenGaps
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
-from minivllm.models.loader import activation_dtype, load_model
+from minivllm.models.loader import activation_dtype, load_model, module_arrays
 
 logger = logging.getLogger(__name__)
 
+# Overlap on the CPU: a decode step of a model this small is mostly host work (building and queueing its
+# graph), which overlap hides as mlx-lm's generate_step does (tiny test models: 1.14 -> 0.93 ms a step);
+# a larger model's step is its matmuls, where overlap changes decode by -1% / +1% (the 0.5B default,
+# benchmarks/cpu_settings.py) and a request arriving meanwhile waits one step more.
+OVERLAP_CPU_MAX_WEIGHT_BYTES = 32 << 20
 DISK_WAIT_S = 0.05  # with nothing to step but disk reads, wait this long at most for one (new requests too)
 
 
@@ -66,10 +71,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.backend = detect_backend()
-        self.overlap = config.overlap if config.overlap is not None else self.backend.is_gpu
         self.model, self.tokenizer, self.model_config = load_model(
             config.model, self.backend, config.cpu_weight_layout
         )
+        self.overlap = config.overlap if config.overlap is not None else self._overlap_by_default()
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
         self.num_pages = num_pages = self._num_pages(geometry)
@@ -103,6 +108,11 @@ class LLMEngine:
             config.single_flight,
             config.speculative,
         )
+
+    def _overlap_by_default(self) -> bool:
+        """On a GPU backend; on the CPU for models of at most OVERLAP_CPU_MAX_WEIGHT_BYTES."""
+        weights = sum(x.nbytes for x in module_arrays(self.model))
+        return self.backend.is_gpu or weights <= OVERLAP_CPU_MAX_WEIGHT_BYTES
 
     def _num_pages(self, geometry: KVGeometry) -> int:
         budget = self.config.kv_cache_bytes or default_kv_cache_bytes(self.config.kv_cache_fraction)
