@@ -179,6 +179,14 @@ MUTATIONS = [
         ("tests/test_policy_robustness.py", "-k", "third"),
     ),
     Mutation(
+        "no-overlap-for-small-models",
+        "overlap stays off on the CPU whatever the model's size (a tiny model's step is mostly host work)",
+        "minivllm/engine/llm_engine.py",
+        "        return self.backend.is_gpu or weights <= OVERLAP_CPU_MAX_WEIGHT_BYTES",
+        "        return self.backend.is_gpu",
+        ("tests/test_overlap.py", "-k", "default"),
+    ),
+    Mutation(
         "arc-frequent-by-count",
         "ARC proper's frequency segment gives up its least used key first, not its least recently released",
         "minivllm/cache/eviction.py",

@@ -33,7 +33,8 @@ from minivllm.models.loader import activation_dtype, load_model, module_arrays
 logger = logging.getLogger(__name__)
 
 # Overlap on the CPU: a decode step of a model this small is mostly host work (building and queueing its
-# graph), which overlap hides as mlx-lm's generate_step does (tiny test models: 1.14 -> 0.93 ms a step);
+# graph), which overlap hides as mlx-lm's generate_step does (benchmarks/families.py: the tiny models'
+# batch-1 decode went from 0.41-0.80x to 0.72-0.92x mlx-lm's);
 # a larger model's step is its matmuls, where overlap changes decode by -1% / +1% (the 0.5B default,
 # benchmarks/cpu_settings.py) and a request arriving meanwhile waits one step more.
 OVERLAP_CPU_MAX_WEIGHT_BYTES = 32 << 20
