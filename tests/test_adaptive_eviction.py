@@ -196,15 +196,14 @@ def test_a_higher_count_is_never_worth_less():
 def test_arc_proper_frequent_gives_up_its_least_recently_released_key_whatever_its_count():
     # recent_share=1: RECENT never exceeds its target, so FREQUENT gives every victim
     p = Segmented(4, recent_share=1.0, by_count=False)
-    for _ in range(6):
-        request(p, ["old"])  # popular, but long ago
-    for _ in range(2):
-        request(p, ["new"])
+    # released oldest first: a key four requests used, then one of two, then one of six (so neither the
+    # most nor the least used key is the least recently released)
+    for key, uses in (("four", 4), ("two", 2), ("six", 6)):
+        for _ in range(uses):
+            request(p, [key])
     request(p, ["x"])
-    request(p, ["y"])
-    assert p.segment_sizes() == (2, 2)
-    assert request(p, ["z"]) == ["old"]
-    assert request(p, ["w"]) == ["new"]
+    assert p.segment_sizes() == (1, 3)
+    assert [request(p, [key]) for key in ("y", "z", "w")] == [["four"], ["two"], ["six"]]
 
 
 def test_set_mode_reorders_frequent_and_keeps_every_key():
