@@ -3,6 +3,7 @@ benchmarks/replay_robustness.py): it must keep at least 97% of the better one's 
 nothing unreachable. Capacities keep the largest request under a third of the cache, as in the real traces.
 On the two Mooncake traces (when present) it must reach the hit-rate floors the policy was accepted on."""
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,23 @@ def test_default_policy_keeps_97_percent_of_the_better_baseline(name, capacity):
     assert ours.unreachable_blocks == 0
 
 
+@cache
+def _load_mooncake(name: str) -> list | None:
+    path = TRACES_DIR / f"{name}.jsonl"
+    return load_trace(path) if path.is_file() else None
+
+
+def mooncake(name: str) -> list:
+    """A Mooncake trace, read once for all the tests; the test is skipped where the traces are absent."""
+    trace = _load_mooncake(name)
+    if trace is None:
+        pytest.skip(f"{TRACES_DIR / name}.jsonl not found")
+    return trace
+
+
 @pytest.mark.parametrize(("name", "capacity"), FLOORS)
 def test_default_policy_reaches_the_floors_on_the_mooncake_traces(name, capacity):
-    path = TRACES_DIR / f"{name}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
-    assert replay(load_trace(path), DEFAULT_EVICTION, capacity).token_hit_rate >= FLOORS[name, capacity]
+    assert replay(mooncake(name), DEFAULT_EVICTION, capacity).token_hit_rate >= FLOORS[name, capacity]
 
 
 @pytest.mark.parametrize("third", range(3))
@@ -60,9 +72,6 @@ def test_default_policy_reaches_the_floors_on_the_mooncake_traces(name, capacity
 def test_default_policy_keeps_97_percent_on_each_third_of_the_mooncake_traces(name, third):
     """Where every policy hits little (the synthetic trace's first third, 1k blocks: under 2%), a switch
     between the default's configurations at a small lead cost it 9% against LRU."""
-    path = TRACES_DIR / f"{name}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
-    trace = windows(load_trace(path), 3)[third]
+    trace = windows(mooncake(name), 3)[third]
     best = max(replay(trace, p, 1000).token_hit_rate for p in ("lru", "s3fifo"))
     assert replay(trace, DEFAULT_EVICTION, 1000).token_hit_rate >= 0.97 * best
