@@ -26,7 +26,7 @@ signature; none is verified on a GPU yet, so this is the only implementation.
 """
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -35,6 +35,7 @@ from kernels.activations import on_numpy, softmax_numpy
 
 BLOCK = 128  # prefill queries per causal block
 MAX_RUNS = 16  # more runs of pages than this: gather the context into one copy
+PYTHON_MAX_PAGES = 64  # longer page tables find their runs with numpy
 PARALLEL_MIN_SCORES = 1 << 16  # CPU: attention with fewer scores than this is not split over cores
 
 
@@ -52,6 +53,8 @@ class AttentionLayout:
     page_size: int
     positions: mx.array  # [T] position of each flat token in its sequence (its rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
+    # what the model derives from the layout once per step for every layer (its rope's cos and sin)
+    shared: dict = field(default_factory=dict)
 
     def last_tokens(self, seq_indices: list[int], counts: list[int] | None = None) -> "QueryRows | None":
         """The last counts[j] new tokens (one by default) of each given sequence seq_indices[j], as rows of
@@ -73,6 +76,15 @@ class AttentionLayout:
         layout = AttentionLayout(seqs, self.page_size, self.positions[rows], self.slot_mapping[rows])
         return QueryRows(rows, layout)
 
+    def slot_index(self, heads: int, head_dim: int) -> mx.array:
+        """slot_mapping as put_along_axis's index into a pool [heads, slots, head_dim], [heads, T,
+        head_dim]: built once per step, and every layer's K and V writes share it."""
+        key = ("slot index", heads, head_dim)
+        if key not in self.shared:
+            T = self.slot_mapping.shape[0]
+            self.shared[key] = mx.broadcast_to(self.slot_mapping.reshape(1, T, 1), (heads, T, head_dim))
+        return self.shared[key]
+
 
 @dataclass
 class QueryRows:
@@ -80,16 +92,23 @@ class QueryRows:
     layout: AttentionLayout  # those tokens alone
 
 
-def page_runs(pages: np.ndarray, page_size: int, length: int) -> list[tuple[int, int]]:
+def page_runs(pages: list[int], page_size: int, length: int) -> list[tuple[int, int]]:
     """(first slot, slots) of each run of consecutive pages holding positions 0 .. length - 1."""
     needed = -(-length // page_size)
-    pages = np.asarray(pages[:needed])
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    firsts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [needed]))
-    runs = [(int(pages[f]) * page_size, int(e - f) * page_size) for f, e in zip(firsts, ends)]
+    firsts = _run_firsts(pages, needed)
+    ends = firsts[1:] + [needed]
+    runs = [(int(pages[f]) * page_size, (e - f) * page_size) for f, e in zip(firsts, ends)]
     first, n = runs[-1]
     runs[-1] = (first, n - (needed * page_size - length))
     return runs
+
+
+def _run_firsts(pages: list[int], needed: int) -> list[int]:
+    """The indices of the pages (of the first `needed`) that begin a run: a loop for the common short
+    table, where numpy's calls would cost more than the loop (a decode step builds a layout per step)."""
+    if needed <= PYTHON_MAX_PAGES:
+        return [0] + [i for i in range(1, needed) if pages[i] != pages[i - 1] + 1]
+    return [0] + (np.flatnonzero(np.diff(np.asarray(pages[:needed])) != 1) + 1).tolist()
 
 
 def build_layout(
@@ -99,29 +118,35 @@ def build_layout(
     seqs, positions, slots = [], [], []
     for table, start, n in zip(page_tables, starts, num_new):
         length = start + n
-        table = np.asarray(table, dtype=np.int32)
         runs = page_runs(table, page_size, length)
-        pages = mx.array(table[: -(-length // page_size)]) if len(runs) > MAX_RUNS else None
+        many = len(runs) > MAX_RUNS
+        pages = mx.array(table[: -(-length // page_size)], dtype=mx.int32) if many else None
         seqs.append(SequenceContext(start, n, runs, pages))
-        new = np.arange(start, length)
-        positions.append(new)
-        slots.append(table[new // page_size] * page_size + new % page_size)
+        new = range(start, length)
+        positions.extend(new)
+        slots.extend(table[p // page_size] * page_size + p % page_size for p in new)
     return AttentionLayout(
         seqs=seqs,
         page_size=page_size,
-        positions=mx.array(np.concatenate(positions).astype(np.int32)),
-        slot_mapping=mx.array(np.concatenate(slots).astype(np.int32)),
+        positions=mx.array(positions, dtype=mx.int32),
+        slot_mapping=mx.array(slots, dtype=mx.int32),
     )
 
 
-def write_kv(pool: mx.array, slots: mx.array, values: mx.array) -> None:
-    """Scatter new K or V rows ([T, n_kv_heads, head_dim]) into the pool in place.
+def write_kv(pool: mx.array, layout: AttentionLayout, values: mx.array) -> mx.array:
+    """The pool [n_kv_heads, num_slots, head_dim] with the step's new K or V rows (values [T, n_kv_heads,
+    head_dim]) in their slots.
 
-    MLX arrays are values, but a scatter whose input buffer has no other reference reuses that buffer,
-    so the cost is the rows written, not the pool's size. Callers must not keep other references
-    to the pool array across the step.
+    MLX arrays are values, but put_along_axis writes into its input's buffer when nothing else refers to
+    it, so the cost is the rows written, not the pool's size: the caller replaces its reference to the
+    pool with the result and keeps no other across the step. Two graph nodes per write (a transpose and
+    the scatter), where indexing `pool[:, slots]` builds its index arrays again at every write.
     """
-    pool[:, slots] = values.transpose(1, 0, 2).astype(pool.dtype)
+    heads, _, head_dim = pool.shape
+    values = values.transpose(1, 0, 2)
+    if values.dtype != pool.dtype:
+        values = values.astype(pool.dtype)
+    return mx.put_along_axis(pool, layout.slot_index(heads, head_dim), values, axis=1)
 
 
 def paged_attention(
@@ -200,10 +225,10 @@ def _attend_parallel(
     the heads are independent, so their groups run side by side and the results are the same."""
     L, H, D = q.shape
     heads_kv = keys[0].shape[1]
-    streams = cpu_streams()[:heads_kv]
     scores = L * H * sum(k.shape[2] for k in keys)
+    streams = cpu_streams()[:heads_kv] if scores >= PARALLEL_MIN_SCORES else []
     # the split exists for MLX's one-thread exp: a softmax on numpy is faster alone
-    if len(streams) < 2 or scores < PARALLEL_MIN_SCORES or _prefill_on_numpy(q.dtype, L, H, keys):
+    if len(streams) < 2 or _prefill_on_numpy(q.dtype, L, H, keys):
         return _attend(q, keys, values, scale, window)
     rep, outs = H // heads_kv, []
     for g, stream in enumerate(streams):

@@ -693,6 +693,30 @@ MUTATIONS = [
     ),
     # -- model families ---------------------------------------------------------------------------------------
     Mutation(
+        "rope-table-ignores-the-base",
+        "rope modules with another base (Gemma 3's local layers) share the first one's cos and sin",
+        "minivllm/models/rope.py",
+        "return (self.dims, self.input_scale, self.base, self.scale, freqs)",
+        "return (self.dims, self.input_scale, self.scale, freqs)",
+        ("tests/test_rope.py", "tests/test_families.py", "-k", "gemma or rope or base"),
+    ),
+    Mutation(
+        "rope-module-known-by-id-alone",
+        "a rope module made at a freed module's id is taken for it (its arguments and table reused)",
+        "minivllm/models/rope.py",
+        "if known is None or known[0]() is not module:",
+        "if known is None:",
+        ("tests/test_rope.py",),
+    ),
+    Mutation(
+        "rope-sin-of-the-first-half",
+        "the rotation's second half adds x2 * sin instead of x2 * cos",
+        "minivllm/models/rope.py",
+        "x1 * sin + x2 * cos]",
+        "x1 * sin + x2 * sin]",
+        ("tests/test_rope.py",),
+    ),
+    Mutation(
         "qk-norm-skipped",
         "Qwen3's q/k RMSNorms are not applied",
         "minivllm/models/layers.py",

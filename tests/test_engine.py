@@ -290,3 +290,21 @@ def test_token_gaps_are_counted_in_step_buckets():
         gaps.record(steps)
     assert gaps.total_steps == 309
     assert gaps.cumulative() == [(1.0, 2), (2.0, 3), (3.0, 3), (4.0, 3), (8.0, 4), (16.0, 4), (64.0, 4), (256.0, 4), (float("inf"), 5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steps_write_the_kv_pools_in_place(tiny_model_dir, overlap):
+    """Each step writes every layer's K and V into the pools' own buffers (a copy would cost a pool's
+    size per layer per step), also while the next step is built on the step in flight."""
+    import mlx.core as mx
+
+    engine = LLMEngine(_config(tiny_model_dir, kv_cache_bytes=256 << 20, overlap=overlap))
+    pool_bytes = engine.runner.kv.keys[0].nbytes
+    engine.add_request("r", random_prompts([40], seed=5)[0], greedy(12))
+    engine.step()  # the prefill
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_steps_ahead > 0 if overlap else engine.num_steps_ahead == 0
+    assert mx.get_peak_memory() - before < pool_bytes // 4

@@ -2,6 +2,8 @@
 one run of pages (views), a few runs (scores joined before the softmax), many runs (pages gathered),
 decode tokens and prefill chunks longer than one causal block, in one flat batch."""
 
+import random
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -57,6 +59,17 @@ def test_page_runs():
     assert pa.page_runs([3, 4, 5, 9, 10, 2], PAGE, 21) == [(12, 12), (36, 8), (8, 1)]
     assert pa.page_runs([7, 8, 9], PAGE, 8) == [(28, 8)]  # pages past the context are not read
     assert pa.page_runs([5], PAGE, 1) == [(20, 1)]
+
+
+@pytest.mark.parametrize("num_pages", [pa.PYTHON_MAX_PAGES, pa.PYTHON_MAX_PAGES + 1, 300])
+def test_page_runs_of_long_tables_cover_the_context_page_by_page(num_pages):
+    """Short tables are scanned in Python, long ones with numpy: both give every position's slot."""
+    rng = random.Random(num_pages)
+    table = rng.sample(range(4 * num_pages), num_pages)
+    table[5:40] = range(1000, 1035)  # one long run among many short ones
+    length = num_pages * PAGE - 3
+    slots = [s for first, n in pa.page_runs(table, PAGE, length) for s in range(first, first + n)]
+    assert slots == [table[p // PAGE] * PAGE + p % PAGE for p in range(length)]
 
 
 @pytest.mark.parametrize(
@@ -125,7 +138,8 @@ def test_the_last_rows_of_each_sequence_attend_as_in_the_whole_batch():
 def test_kv_write_lands_in_the_slots():
     pool = mx.zeros((KV_HEADS, 16, HEAD_DIM))
     values = mx.arange(3 * KV_HEADS * HEAD_DIM, dtype=mx.float32).reshape(3, KV_HEADS, HEAD_DIM)
-    pa.write_kv(pool, mx.array([5, 0, 9]), values)
+    slots = mx.array([5, 0, 9])
+    pool = pa.write_kv(pool, pa.AttentionLayout([], PAGE, mx.zeros(3, mx.int32), slots), values)
     got = np.asarray(pool)
     for row, slot in enumerate([5, 0, 9]):
         np.testing.assert_array_equal(got[:, slot], np.asarray(values)[row])
@@ -146,3 +160,24 @@ def test_split_attention_runs_from_any_thread(monkeypatch):
     assert len(results) == 2
     for out, expected in results:
         np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_kv_write_reuses_the_pools_buffer():
+    """The scatter writes into the pool's own buffer when nothing else holds it (a copy per write would
+    cost the pool's size every layer of every step); with another reference it must copy."""
+    pool = mx.zeros((KV_HEADS, 1 << 20, HEAD_DIM))
+    layout = pa.AttentionLayout([], PAGE, mx.zeros(3, mx.int32), mx.array([5, 0, 9]))
+    values = mx.ones((3, KV_HEADS, HEAD_DIM))
+    mx.eval(pool, values, layout.slot_index(KV_HEADS, HEAD_DIM))
+    size = pool.nbytes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    pool = pa.write_kv(pool, layout, values)
+    mx.eval(pool)
+    assert mx.get_peak_memory() - before < size // 4
+    kept = pool
+    mx.reset_peak_memory()
+    copied = pa.write_kv(kept, layout, values * 2)
+    mx.eval(copied)
+    assert mx.get_peak_memory() - before >= size  # the measurement sees a copy when there is one
+    assert np.asarray(kept)[:, 5].sum() == KV_HEADS * HEAD_DIM and np.asarray(copied)[:, 5, 0].tolist() == [2.0] * KV_HEADS

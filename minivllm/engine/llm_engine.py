@@ -324,7 +324,7 @@ class LLMEngine:
             num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
             num_pages_published=seq.num_pages_published,
             num_published_prompt_tokens=seq.num_published_prompt_tokens,
-            num_output_tokens=len(seq.output_token_ids),
+            num_output_tokens=seq.num_output_tokens,
             flight_role=seq.flight_role,
             stop_token_id=seq.stop_token_id,
             error=seq.finish_detail if seq.is_finished else None,

@@ -179,7 +179,7 @@ class Scheduler:
         p = seq.params
         if seq.draft.pause or seq.matcher is not None or p.penalized or p.logprobs is not None:
             return 0
-        left = min(p.max_tokens - len(seq.output_token_ids), self.max_model_len - len(seq.token_ids))
+        left = min(p.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
         return max(0, min(seq.draft.limit, self.config.speculative_tokens, left - 1))
 
     def _admit_waiting(self, room: int) -> list[Sequence]:

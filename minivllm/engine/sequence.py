@@ -78,6 +78,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:  # without output_token_ids' copy: the engine asks every step
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

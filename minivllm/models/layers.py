@@ -1,5 +1,5 @@
-"""The pieces every family's forward shares: the KV pools, rope and K/V writes on flat tokens, paged
-attention, the logits, and the walk over the blocks.
+"""The pieces every family's forward shares: the KV pools, K/V writes on flat tokens, paged attention,
+the logits, and the walk over the blocks.
 
 A step's tokens of all sequences are flat [T] through the linear layers and rope; attention reads each
 sequence's context through its page table in kernels.paged_attention. The modules and weights are
@@ -22,13 +22,6 @@ class KVPools:
     values: list[mx.array]
 
 
-def rope(attn: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
-    """x [T, heads, D] rotated at each token's own position: each is a length-1 sequence with its own
-    offset, so nothing is padded and every backend's batched rope applies."""
-    T, heads, _ = x.shape
-    return attn.rope(x.reshape(T, heads, 1, -1), offset=positions).squeeze(2)
-
-
 def qk_norm(attn: nn.Module, name: str, x: mx.array) -> mx.array:
     """The per-head RMSNorm of queries or keys before rope (Qwen3, Gemma 3); absent in Qwen2 / Llama."""
     norm = getattr(attn, name, None)
@@ -37,8 +30,8 @@ def qk_norm(attn: nn.Module, name: str, x: mx.array) -> mx.array:
 
 def store_kv(kv: KVPools, layer: int, layout: AttentionLayout, keys: mx.array, values: mx.array) -> None:
     """A step's new keys (rope applied) and values, [T, n_kv_heads, D], into the layer's pools."""
-    write_kv(kv.keys[layer], layout.slot_mapping, keys)
-    write_kv(kv.values[layer], layout.slot_mapping, values)
+    kv.keys[layer] = write_kv(kv.keys[layer], layout, keys)
+    kv.values[layer] = write_kv(kv.values[layer], layout, values)
 
 
 def attend(

@@ -8,15 +8,16 @@ import mlx.nn as nn
 
 from kernels.activations import swiglu
 from kernels.paged_attention import AttentionLayout
-from minivllm.models.layers import Architecture, Block, KVPools, rope, store_kv
+from minivllm.models.layers import Architecture, Block, KVPools, store_kv
+from minivllm.models.rope import rope
 
 
 def project(attn: nn.Module, x: mx.array, layout: AttentionLayout) -> tuple[mx.array, mx.array, mx.array]:
     """Queries, keys (both rope applied) and values of the flat tokens x: [T, heads, head_dim] each."""
     T, q_size, kv_size = x.shape[0], attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
     q, k, v = mx.split(attn.qkv_proj(x), [q_size, q_size + kv_size], axis=-1)
-    q = rope(attn, q.reshape(T, attn.n_heads, -1), layout.positions)
-    k = rope(attn, k.reshape(T, attn.n_kv_heads, -1), layout.positions)
+    q = rope(attn, q.reshape(T, attn.n_heads, -1), layout)
+    k = rope(attn, k.reshape(T, attn.n_kv_heads, -1), layout)
     return q, k, v.reshape(T, attn.n_kv_heads, -1)
 
 

@@ -11,7 +11,8 @@ import mlx.nn as nn
 
 from kernels.activations import swiglu
 from kernels.paged_attention import AttentionLayout
-from minivllm.models.layers import Architecture, Block, KVPools, qk_norm, rope, store_kv
+from minivllm.models.layers import Architecture, Block, KVPools, qk_norm, store_kv
+from minivllm.models.rope import rope
 
 
 def write_block_kv(
@@ -21,14 +22,14 @@ def write_block_kv(
     normed input."""
     attn, x = block.self_attn, block.input_layernorm(h)
     T = x.shape[0]
-    k = rope(attn, qk_norm(attn, "k_norm", attn.k_proj(x).reshape(T, attn.n_kv_heads, -1)), layout.positions)
+    k = rope(attn, qk_norm(attn, "k_norm", attn.k_proj(x).reshape(T, attn.n_kv_heads, -1)), layout)
     store_kv(kv, layer, layout, k, attn.v_proj(x).reshape(T, attn.n_kv_heads, -1))
     return x
 
 
 def queries(attn: nn.Module, x: mx.array, layout: AttentionLayout) -> mx.array:
     q = qk_norm(attn, "q_norm", attn.q_proj(x).reshape(x.shape[0], attn.n_heads, -1))
-    return rope(attn, q, layout.positions)
+    return rope(attn, q, layout)
 
 
 def mlp(module: nn.Module, x: mx.array) -> mx.array:
