@@ -180,4 +180,7 @@ def test_kv_write_reuses_the_pools_buffer():
     copied = pa.write_kv(kept, layout, values * 2)
     mx.eval(copied)
     assert mx.get_peak_memory() - before >= size  # the measurement sees a copy when there is one
-    assert np.asarray(kept)[:, 5].sum() == KV_HEADS * HEAD_DIM and np.asarray(copied)[:, 5, 0].tolist() == [2.0] * KV_HEADS
+    assert (
+        np.asarray(kept)[:, 5].sum() == KV_HEADS * HEAD_DIM
+        and np.asarray(copied)[:, 5, 0].tolist() == [2.0] * KV_HEADS
+    )

@@ -12,12 +12,19 @@ from kernels.paged_attention import build_layout
 from minivllm.models import rope as rope_module
 
 HEAD_DIM = 32
-LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 MODULES = {
     "plain": lambda: nn.RoPE(HEAD_DIM, base=10000.0),
     "linear scaling": lambda: nn.RoPE(HEAD_DIM, base=1000.0, scale=0.25),
     "partial": lambda: nn.RoPE(24, base=10000.0),
-    "llama3": lambda: Llama3RoPE(HEAD_DIM, max_position_embeddings=4096, base=500000.0, scaling_config=LLAMA3),
+    "llama3": lambda: Llama3RoPE(
+        HEAD_DIM, max_position_embeddings=4096, base=500000.0, scaling_config=LLAMA3
+    ),
     "longrope": lambda: SuScaledRoPE(
         24, max_position_embeddings=4096, original_max_position_embeddings=1024, long_factor=[1.5] * 12
     ),
