@@ -287,8 +287,11 @@ def _attend_runs(q, keys, values, scale, causal, window=None, numpy_softmax=Fals
     pieces concatenated before the softmax and the values' products summed piece by piece."""
     B, H, L, D = q.shape
     heads_kv = keys[0].shape[1]
-    q = (q * mx.array(scale, dtype=q.dtype)).reshape(B, heads_kv, H // heads_kv, L, D)
-    parts = [q @ k[:, :, None].swapaxes(-1, -2) for k in keys]
+    q = q * mx.array(scale, dtype=q.dtype)
+    if H > heads_kv:  # query heads sharing a KV head: a group axis (a decode token's are rows already)
+        q = q.reshape(B, heads_kv, H // heads_kv, L, D)
+        keys, values = [k[:, :, None] for k in keys], [v[:, :, None] for v in values]
+    parts = [q @ k.swapaxes(-1, -2) for k in keys]
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     if causal:
         visible = _visible(L, scores.shape[-1], window)
@@ -296,8 +299,8 @@ def _attend_runs(q, keys, values, scale, causal, window=None, numpy_softmax=Fals
     probs = softmax_numpy(scores) if numpy_softmax else mx.softmax(scores, axis=-1, precise=True)
     out, offset = None, 0
     for v in values:
-        n = v.shape[2]
-        part = probs[..., offset : offset + n] @ v[:, :, None]
+        n = v.shape[-2]
+        part = probs[..., offset : offset + n] @ v
         out = part if out is None else out + part
         offset += n
     return out.reshape(B, H, L, D)

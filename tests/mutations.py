@@ -660,6 +660,14 @@ MUTATIONS = [
         ("tests/test_overlap.py",),
     ),
     Mutation(
+        "ahead-inputs-without-their-rows",
+        "a step built ahead takes the running step's tokens as its inputs even when a request left the batch",
+        RUNNER,
+        "same = rows == list(range(len(after.sampling)))",
+        "same = True",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
         "ahead-delivers-dropped-tokens",
         "a token computed ahead for a request that ended meanwhile is delivered",
         "minivllm/engine/llm_engine.py",
@@ -693,6 +701,22 @@ MUTATIONS = [
     ),
     # -- model families ---------------------------------------------------------------------------------------
     Mutation(
+        "rms-norm-without-eps",
+        "the compiled RMSNorm serves every eps with the first one's",
+        "minivllm/models/rms_norm.py",
+        "    key = (module.eps, offset)",
+        "    key = (offset,)",
+        ("tests/test_rms_norm.py",),
+    ),
+    Mutation(
+        "gemma-norm-without-its-offset",
+        "Gemma's (1 + w) RMSNorm compiled as a plain one (w)",
+        "minivllm/models/rms_norm.py",
+        "OFFSETS = {nn.RMSNorm: 0.0, GemmaRMSNorm: 1.0}",
+        "OFFSETS = {nn.RMSNorm: 0.0, GemmaRMSNorm: 0.0}",
+        ("tests/test_rms_norm.py", "tests/test_families.py", "-k", "gemma or norm"),
+    ),
+    Mutation(
         "rope-table-ignores-the-base",
         "rope modules with another base (Gemma 3's local layers) share the first one's cos and sin",
         "minivllm/models/rope.py",
@@ -720,7 +744,7 @@ MUTATIONS = [
         "qk-norm-skipped",
         "Qwen3's q/k RMSNorms are not applied",
         "minivllm/models/layers.py",
-        "    return x if norm is None else norm(x)",
+        "    return x if norm is None else rms_norm(norm, x)",
         "    return x",
         ("tests/test_families.py",),
     ),

@@ -3,6 +3,7 @@ one run of pages (views), a few runs (scores joined before the softmax), many ru
 decode tokens and prefill chunks longer than one causal block, in one flat batch."""
 
 import random
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -184,3 +185,14 @@ def test_kv_write_reuses_the_pools_buffer():
         np.asarray(kept)[:, 5].sum() == KV_HEADS * HEAD_DIM
         and np.asarray(copied)[:, 5, 0].tolist() == [2.0] * KV_HEADS
     )
+
+
+@pytest.mark.parametrize("softmax", ["mlx", "numpy"])
+def test_as_many_kv_heads_as_query_heads_matches_dense_attention(softmax, monkeypatch):
+    """No groups of query heads (multi-head attention): prefill chunks and a decode token over a few runs."""
+    monkeypatch.setattr(sys.modules[__name__], "KV_HEADS", HEADS)
+    monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0 if softmax == "numpy" else 1 << 62)
+    tables = [[5, 6, 7, 30, 31, 2] + contiguous(100, 30), [50, 51, 52, 8, 9, 200], contiguous(300, 40)]
+    out, expected, layout = run(tables, [100, 17, 0], [1, 5, 150])
+    assert [len(s.runs) for s in layout.seqs] == [4, 3, 1]
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)

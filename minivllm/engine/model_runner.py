@@ -170,7 +170,10 @@ class ModelRunner:
             # a verification's tokens are known only once accepted on the host: it is never run ahead of
             assert all(r == 1 for r in after.num_rows), "a step built after a draft's verification"
             row_of = {id(after.seqs[i]): row for row, i in enumerate(after.sampling)}
-            inputs = after.tokens[mx.array([row_of[id(s)] for s in seqs])]
+            rows = [row_of[id(s)] for s in seqs]
+            # a steady decode asks for every row in order: the tokens themselves, with no gather
+            same = rows == list(range(len(after.sampling)))
+            inputs = after.tokens if same else after.tokens[mx.array(rows)]
             # `after` computes every token each seq has (Scheduler.schedule_ahead): the new one goes next
             computed, ahead = [len(s.token_ids) for s in seqs], 1
         layout = build_layout([s.page_table for s in seqs], computed, num_tokens, self.page_size)

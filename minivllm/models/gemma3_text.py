@@ -14,6 +14,7 @@ from mlx_lm.models.gemma3_text import clip_residual
 
 from minivllm.models.layers import Architecture, Block
 from minivllm.models.qwen2 import queries, write_block_kv
+from minivllm.models.rms_norm import rms_norm
 
 
 def embed(model: nn.Module, input_ids: mx.array) -> mx.array:
@@ -24,9 +25,9 @@ def embed(model: nn.Module, input_ids: mx.array) -> mx.array:
 
 def after_attention(block: nn.Module, h: mx.array, r: mx.array) -> mx.array:
     # clip_residual: mlx-lm's residual sum, clipped to the float16 range for float16 activations
-    h = clip_residual(h, block.post_attention_layernorm(r))
-    r = block.mlp(block.pre_feedforward_layernorm(h))  # mlx-lm's gelu-tanh gated MLP
-    return clip_residual(h, block.post_feedforward_layernorm(r))
+    h = clip_residual(h, rms_norm(block.post_attention_layernorm, r))
+    r = block.mlp(rms_norm(block.pre_feedforward_layernorm, h))  # mlx-lm's gelu-tanh gated MLP
+    return clip_residual(h, rms_norm(block.post_feedforward_layernorm, r))
 
 
 def architecture(model: nn.Module) -> Architecture:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kernels.paged_attention import AttentionLayout, QueryRows, paged_attention, write_kv
+from minivllm.models.rms_norm import rms_norm
 
 
 @dataclass
@@ -25,7 +26,7 @@ class KVPools:
 def qk_norm(attn: nn.Module, name: str, x: mx.array) -> mx.array:
     """The per-head RMSNorm of queries or keys before rope (Qwen3, Gemma 3); absent in Qwen2 / Llama."""
     norm = getattr(attn, name, None)
-    return x if norm is None else norm(x)
+    return x if norm is None else rms_norm(norm, x)
 
 
 def store_kv(kv: KVPools, layer: int, layout: AttentionLayout, keys: mx.array, values: mx.array) -> None:
@@ -129,7 +130,7 @@ def forward(
         arch.write_block_kv(last, h, kv, len(inner), layout)
         return None
     rows = layout.last_tokens(sampling, num_rows)
-    h = body.norm(arch.decoder_layer(last, h, kv, len(inner), layout, rows))
+    h = rms_norm(body.norm, arch.decoder_layer(last, h, kv, len(inner), layout, rows))
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head(h)
     return body.embed_tokens.as_linear(h)

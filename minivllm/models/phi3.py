@@ -9,6 +9,7 @@ import mlx.nn as nn
 from kernels.activations import swiglu
 from kernels.paged_attention import AttentionLayout
 from minivllm.models.layers import Architecture, Block, KVPools, store_kv
+from minivllm.models.rms_norm import rms_norm
 from minivllm.models.rope import rope
 
 
@@ -26,7 +27,7 @@ def write_block_kv(
 ) -> mx.array:
     """Every new token's K/V into the layer's pools; returns the queries (the fused projection makes
     them in the same product: the last block's are sliced to the sampled rows afterwards)."""
-    q, k, v = project(block.self_attn, block.input_layernorm(h), layout)
+    q, k, v = project(block.self_attn, rms_norm(block.input_layernorm, h), layout)
     store_kv(kv, layer, layout, k, v)
     return q
 
@@ -42,7 +43,7 @@ def roped(attn: nn.Module, q: mx.array, layout: AttentionLayout) -> mx.array:
 
 def after_attention(block: nn.Module, h: mx.array, r: mx.array) -> mx.array:
     h = h + r
-    return h + mlp(block.mlp, block.post_attention_layernorm(h))
+    return h + mlp(block.mlp, rms_norm(block.post_attention_layernorm, h))
 
 
 ARCHITECTURE = Architecture(Block(write_block_kv, roped, after_attention), write_block_kv)

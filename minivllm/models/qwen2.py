@@ -12,6 +12,7 @@ import mlx.nn as nn
 from kernels.activations import swiglu
 from kernels.paged_attention import AttentionLayout
 from minivllm.models.layers import Architecture, Block, KVPools, qk_norm, store_kv
+from minivllm.models.rms_norm import rms_norm
 from minivllm.models.rope import rope
 
 
@@ -20,7 +21,7 @@ def write_block_kv(
 ) -> mx.array:
     """The keys and values of every new token of the step into the layer's pools; returns the block's
     normed input."""
-    attn, x = block.self_attn, block.input_layernorm(h)
+    attn, x = block.self_attn, rms_norm(block.input_layernorm, h)
     T = x.shape[0]
     k = rope(attn, qk_norm(attn, "k_norm", attn.k_proj(x).reshape(T, attn.n_kv_heads, -1)), layout)
     store_kv(kv, layer, layout, k, attn.v_proj(x).reshape(T, attn.n_kv_heads, -1))
@@ -40,7 +41,7 @@ def mlp(module: nn.Module, x: mx.array) -> mx.array:
 
 def after_attention(block: nn.Module, h: mx.array, r: mx.array) -> mx.array:
     h = h + r
-    return h + mlp(block.mlp, block.post_attention_layernorm(h))
+    return h + mlp(block.mlp, rms_norm(block.post_attention_layernorm, h))
 
 
 ARCHITECTURE = Architecture(Block(write_block_kv, queries, after_attention), write_block_kv)
