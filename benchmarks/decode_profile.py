@@ -32,7 +32,7 @@ from kernels.paged_attention import build_layout
 from minivllm import LLM, SamplingParams
 from minivllm.models.backend import OPENBLAS_PATH
 from minivllm.models.cpu_layout import TransposedLinear
-from minivllm.models.qwen2 import forward
+from minivllm.models.layers import forward
 
 
 class Probes:
@@ -68,7 +68,9 @@ class Probes:
         seq, runner = self.seq, self.engine.runner
         n = seq.num_computed_tokens - 1
         layout = build_layout([seq.page_table], [n], [1], runner.page_size)
-        return forward(runner.model, mx.array(seq.token_ids[n : n + 1]), runner.kv, layout, [0])
+        return forward(
+            runner.architecture, runner.model, mx.array(seq.token_ids[n : n + 1]), runner.kv, layout, [0]
+        )
 
     def forward_argmax(self) -> None:
         kv = self.engine.runner.kv

@@ -13,7 +13,9 @@ after the other (in reversed order every other run), so a busy machine slows bot
   - decode: `--tokens` tokens at batch 1 after the prompt (benchmarks.harness.engine_timing.decode_rate)
     against mlx-lm's `generate_step` from a copy of the prompt's KV cache (benchmarks.long_context.MlxLm);
   - decode CPU: the same decodes as tokens per second of this process's CPU time (all threads), which
-    other processes on a shared machine do not change (it includes the decode's one-token prefill step).
+    other processes on a shared machine do not change (it includes the decode's one-token prefill step);
+  - graph nodes: the median number of nodes of the graph each decode step hands to mx.async_eval (after
+    the timed runs, in a decode of its own): on the CPU each costs its dispatch, whatever its size.
 """
 
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
@@ -33,6 +35,7 @@ from unittest import mock
 from tqdm import tqdm
 
 from benchmarks.harness.engine_timing import decode_rate
+from benchmarks.harness.graph_nodes import median_nodes, nodes_per_async_eval
 from benchmarks.harness.results import RESULTS_DIR, metadata, print_report, write_results
 from benchmarks.harness.runner import add_allow_dirty, parse_on_clean_tree
 from benchmarks.long_context import MlxLm
@@ -41,6 +44,7 @@ from minivllm.models.loader import load_model
 from tests.tiny_model import FAMILY_OPTIONS, make_tiny_family_model
 
 VOCAB = 362  # the tiny models' tokenizer
+UNITS = {"decode CPU": "tok/CPU-s", "graph nodes": "per decode step"}
 
 
 class Minivllm:
@@ -89,6 +93,11 @@ def measure_family(model_dir: Path, plan: dict, seed: int) -> dict:
             # what another process's load on a shared machine does not change
             raw["decode CPU"].setdefault(name, []).append(plan["n"] / (time.process_time() - cpu))
             gc.collect()
+    raw["graph nodes"] = {}
+    for name, engine in engines.items():
+        with nodes_per_async_eval() as counts:
+            engine.decode(decode_prompt, 1 if name == "mlx-lm" else plan["n"])
+        raw["graph nodes"][name] = [median_nodes(counts)]
     return raw
 
 
@@ -105,7 +114,7 @@ def rows_of(raw: dict) -> list[dict]:
     for family, phases in raw.items():
         row = {"family": family}
         for phase, cells in phases.items():
-            unit = "tok/CPU-s" if phase == "decode CPU" else "tok/s"
+            unit = UNITS.get(phase, "tok/s")
             for name, rates in cells.items():
                 median, q1, q3 = _median_spread(rates)
                 row[f"{phase} {name} ({unit})"] = f"{median:,.0f} ({q1:,.0f}–{q3:,.0f})"
@@ -146,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     notes = (
         "Rates: median (interquartile range) over the runs; ratios taken run by run (minivllm and mlx-lm "
         "measure one after the other), median (interquartile range). Batch 1; decode excludes the prefill; "
-        "prefill is a fresh prompt's time to its first token. load_average: the machine's at the start."
+        "prefill is a fresh prompt's time to its first token. load_average: the machine's at the start. "
+        "Graph nodes: of one decode step (its median over a decode), counted once."
     )
     name = "families" + ("-quick" if args.quick else "")
     paths = write_results(name, rows_of(raw), meta, raw=raw, notes=notes, out_dir=args.out,

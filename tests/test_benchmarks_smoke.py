@@ -323,4 +323,28 @@ def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
     data = json.loads(path.read_text())
     assert [r["family"] for r in data["rows"]] == ["phi3", "gemma3_text"]
     rates = [v for phases in data["raw"].values() for cells in phases.values() for v in cells.values()]
-    assert len(rates) == 2 * 3 * 2 and all(len(r) == 1 and r[0] > 0 for r in rates)
+    assert len(rates) == 2 * 4 * 2 and all(len(r) == 1 and r[0] > 0 for r in rates)
+    nodes = data["raw"]["phi3"]["graph nodes"]
+    assert 50 < nodes["minivllm"][0] < 1000 and 50 < nodes["mlx-lm"][0] < 1000
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem != "__init__"))
+def test_every_benchmark_script_imports(script):
+    """A script that no longer imports (an engine function it used was moved) fails here, not on a rerun."""
+    import importlib
+
+    importlib.import_module(f"benchmarks.{script}")
+
+
+def test_decode_profile_quick_times_every_probe(tiny_model_dir, tmp_path):
+    from benchmarks import decode_profile
+
+    decode_profile.main(
+        ["--quick", "--runs", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"]
+    )
+    (path,) = tmp_path.glob("decode_profile*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert {"step", "graph build (Python)", "forward + argmax"} <= {r["probe"] for r in rows}
