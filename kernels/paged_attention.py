@@ -53,7 +53,8 @@ class AttentionLayout:
     page_size: int
     positions: mx.array  # [T] position of each flat token in its sequence (its rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
-    # what the model derives from the layout once per step for every layer (its rope's cos and sin)
+    # what the model derives from the layout once per step for every layer (rope's cos and sin, the K/V
+    # writes' slot index)
     shared: dict = field(default_factory=dict)
 
     def last_tokens(self, seq_indices: list[int], counts: list[int] | None = None) -> "QueryRows | None":

@@ -28,9 +28,11 @@ MODULES = {
     "longrope": lambda: SuScaledRoPE(
         24, max_position_embeddings=4096, original_max_position_embeddings=1024, long_factor=[1.5] * 12
     ),
+    "yarn": lambda: YarnRoPE(HEAD_DIM, max_position_embeddings=4096, scaling_factor=4.0),
+    "yarn, mscale 1": lambda: YarnRoPE(HEAD_DIM, max_position_embeddings=4096, scaling_factor=1.0),
     # no shared table for these: their own call runs
     "traditional": lambda: nn.RoPE(HEAD_DIM, traditional=True),
-    "yarn": lambda: YarnRoPE(HEAD_DIM, max_position_embeddings=4096, scaling_factor=4.0),
+    "yarn, traditional": lambda: YarnRoPE(HEAD_DIM, traditional=True, scaling_factor=4.0),
 }
 
 
@@ -60,7 +62,7 @@ def test_rope_gives_each_modules_own_bits_at_every_position(name):
         got, expected = rope_module.rope(attn, x, layout), own_call(attn, x, layout.positions)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     tables = [k for k in layout.shared if k[0] == "rope"]
-    known = name not in ("traditional", "yarn")
+    known = "traditional" not in name
     assert len(tables) == (3 if known else 0)  # the table, and its broadcasts for 4 and 2 heads
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 from kernels.paged_attention import AttentionLayout
 
@@ -26,7 +26,7 @@ class RopeArgs:
     """A rope module as `mx.fast.rope`'s arguments (not traditional: the halves of the rotated dims)."""
 
     dims: int
-    input_scale: float  # the rotated dims of x are multiplied by it first (SuScaledRoPE's mscale)
+    input_scale: float  # the rotated dims of x are multiplied by it first (longrope's and yarn's mscale)
     base: float | None
     scale: float
     freqs: mx.array | None
@@ -46,6 +46,8 @@ def rope_args(module: nn.Module) -> RopeArgs | None:
         return RopeArgs(module.dims, 1.0, None, 1.0, module._freqs)
     if kind is SuScaledRoPE:
         return RopeArgs(module.dim, module._scale, None, 1.0, module._freqs)
+    if kind is YarnRoPE and not module.traditional:
+        return RopeArgs(module.dims, module.mscale, None, 1.0, module._freqs)
     return None
 
 
