@@ -1,6 +1,9 @@
 """Where a batch-1 decode step's time goes, against one pass over the model's weight matrices.
 
-    python -m benchmarks.decode_profile [--model DIR] [--runs 3] [--quick]
+    python -m benchmarks.decode_profile [--model DIR | --family NAME] [--runs 3] [--quick]
+
+--family: the tiny random model of a supported family (tests/tiny_model.FAMILY_OPTIONS, as
+benchmarks/families.py), whose step is mostly per-step host work rather than matmuls.
 
 One engine, one request decoding; each run times every probe below in a rotated order (a busy machine
 slows them alike), `--steps` times each, and the table gives the mean over runs of each probe's median:
@@ -8,6 +11,8 @@ slows them alike), `--steps` times each, and the table gives the mean over runs 
   - step, OpenBLAS 1 thread: the same with OpenBLAS's threads set to one for the step;
   - graph build: the Python work of building the step's forward and sampling graph, not evaluated;
   - forward + argmax: that graph evaluated, without the engine around it;
+  - mlx-lm forward + argmax: mlx-lm's own `model(token, cache)` on the same modules and weights, built
+    and evaluated (its cache holds the request's context and grows by one token a call);
   - weight pass, each matrix alone: a batch-1 product with every linear layer's weight (in the layout the
     engine keeps it), evaluated one by one: the bandwidth limit of a step;
   - weight pass, one graph: the same products evaluated together;
@@ -19,11 +24,14 @@ import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 # isort: split
 import ctypes
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from benchmarks.harness.results import engine_metadata, mean_sd, print_report, write_results
@@ -33,6 +41,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.models.backend import OPENBLAS_PATH
 from minivllm.models.cpu_layout import TransposedLinear
 from minivllm.models.layers import forward
+from tests.tiny_model import FAMILY_OPTIONS, make_tiny_family_model
 
 
 class Probes:
@@ -49,12 +58,17 @@ class Probes:
         self.head = getattr(engine.model, "lm_head", None) or engine.model.model.embed_tokens.as_linear
         self.hidden = mx.ones((1, engine.model.args.hidden_size))
         mx.eval(self.hidden)
+        self.cache = make_prompt_cache(engine.model)
+        engine.model(mx.array([self.seq.token_ids[:-1]]), cache=self.cache)
+        mx.eval([(c.keys, c.values) for c in self.cache])
+        self.last = mx.array([self.seq.token_ids[-1:]])
 
     def all(self) -> dict[str, Callable[[], None]]:
         probes = {
             "step": self.engine.step,
             "graph build (Python)": self.build,
             "forward + argmax": self.forward_argmax,
+            "mlx-lm forward + argmax": self.mlx_lm_forward_argmax,
             "weight pass, each matrix alone": lambda: [mx.eval(p()) for p in self.products],
             "weight pass, one graph": lambda: mx.eval([p() for p in self.products]),
             "lm_head + argmax": lambda: mx.eval(mx.argmax(self.head(self.hidden), axis=-1)),
@@ -75,6 +89,10 @@ class Probes:
     def forward_argmax(self) -> None:
         kv = self.engine.runner.kv
         mx.eval(mx.argmax(self.build(), axis=-1), kv.keys, kv.values)  # as the step evaluates it
+
+    def mlx_lm_forward_argmax(self) -> None:
+        logits = self.engine.model(self.last, cache=self.cache)
+        mx.eval(mx.argmax(logits[:, -1], axis=-1), [(c.keys, c.values) for c in self.cache])
 
     def step_one_thread(self) -> None:
         threads = self.blas.openblas_get_num_threads()
@@ -106,7 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="timings of each probe per run")
     p.add_argument("--layout", default="auto", help="MINIVLLM_CPU_WEIGHT_LAYOUT")
+    p.add_argument("--family", choices=sorted(FAMILY_OPTIONS), help="a family's tiny random model instead")
     args = parse_args(p, argv)
+    if args.family:
+        root = Path(tempfile.mkdtemp(prefix="minivllm-decode-profile-"))
+        args.model = make_tiny_family_model(root / args.family, args.family, **FAMILY_OPTIONS[args.family])
     steps = 3 if args.quick else args.steps
     llm = LLM(
         str(args.model),
@@ -126,11 +148,16 @@ def main(argv: list[str] | None = None) -> None:
         for name in names[run % len(names) :] + names[: run % len(names)]:
             samples[name].append(median_ms(named[name], steps))
     step = statistics.fmean(samples["step"])
+    digits = 3 if step < 10 else 1  # a tiny model's step is under a millisecond
     rows = []
     for name, values in samples.items():
         mean, sd = mean_sd(values)
         rows.append(
-            {"probe": name, "ms": f"{mean:.1f} ± {sd:.1f}", "share of a step": f"{100 * mean / step:.0f}%"}
+            {
+                "probe": name,
+                "ms": f"{mean:.{digits}f} ± {sd:.{digits}f}",
+                "share of a step": f"{100 * mean / step:.0f}%",
+            }
         )
     meta = engine_metadata(
         args.model,
@@ -140,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print_report(
         write_results(
-            result_name("decode_profile", args), rows, meta, out_dir=args.out, allow_dirty=args.allow_dirty
+            result_name("decode_profile" + (f"-{args.family}" if args.family else ""), args),
+            rows,
+            meta,
+            out_dir=args.out,
+            allow_dirty=args.allow_dirty,
         )
     )
 

@@ -339,12 +339,15 @@ def test_every_benchmark_script_imports(script):
     importlib.import_module(f"benchmarks.{script}")
 
 
-def test_decode_profile_quick_times_every_probe(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("model", ["tiny qwen2 dir", "gemma3_text"])
+def test_decode_profile_quick_times_every_probe(model, tiny_model_dir, tmp_path):
+    """On a model directory, and on a family's tiny model (Gemma's sliding layers: mlx-lm's rotating cache)."""
     from benchmarks import decode_profile
 
-    decode_profile.main(
-        ["--quick", "--runs", "1", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"]
-    )
+    which = ["--model", str(tiny_model_dir)] if model.endswith("dir") else ["--family", model]
+    decode_profile.main(["--quick", "--runs", "1", *which, "--out", str(tmp_path), "--allow-dirty"])
     (path,) = tmp_path.glob("decode_profile*.json")
-    rows = json.loads(path.read_text())["rows"]
-    assert {"step", "graph build (Python)", "forward + argmax"} <= {r["probe"] for r in rows}
+    assert path.name.startswith("decode_profile-gemma3_text") == (model == "gemma3_text")
+    rows = {r["probe"]: r for r in json.loads(path.read_text())["rows"]}
+    assert {"step", "graph build (Python)", "forward + argmax", "mlx-lm forward + argmax"} <= set(rows)
+    assert all(float(r["ms"].split()[0]) > 0 for r in rows.values())
