@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = (
         "Rates: median (interquartile range) over the runs; ratios taken run by run (minivllm and mlx-lm "
         "measure one after the other), median (interquartile range). Batch 1; decode excludes the prefill; "
-        "prefill is a fresh prompt's time to its first token. load_average: the machine's at the start. "
+        "prefill is a fresh prompt's time to its first token. load_average: the machine's when the results were written. "
         "Graph nodes: of one decode step (its median over a decode), counted once."
     )
     name = "families" + ("-quick" if args.quick else "")
