@@ -16,7 +16,9 @@ slows them alike), `--steps` times each, and the table gives the mean over runs 
   - weight pass, each matrix alone: a batch-1 product with every linear layer's weight (in the layout the
     engine keeps it), evaluated one by one: the bandwidth limit of a step;
   - weight pass, one graph: the same products evaluated together;
-  - lm_head + argmax: the output layer and the greedy sample over the vocabulary alone.
+  - lm_head + argmax: the output layer and the greedy sample over the vocabulary alone;
+  - 100 tiny nodes: a chain of 100 additions on a 4-element array, built and evaluated: what a graph node
+    costs to dispatch whatever its size (on the CPU backend, from the evaluating thread).
 """
 
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
@@ -62,6 +64,8 @@ class Probes:
         engine.model(mx.array([self.seq.token_ids[:-1]]), cache=self.cache)
         mx.eval([(c.keys, c.values) for c in self.cache])
         self.last = mx.array([self.seq.token_ids[-1:]])
+        self.tiny = mx.ones((4,))
+        mx.eval(self.tiny)
 
     def all(self) -> dict[str, Callable[[], None]]:
         probes = {
@@ -72,6 +76,7 @@ class Probes:
             "weight pass, each matrix alone": lambda: [mx.eval(p()) for p in self.products],
             "weight pass, one graph": lambda: mx.eval([p() for p in self.products]),
             "lm_head + argmax": lambda: mx.eval(mx.argmax(self.head(self.hidden), axis=-1)),
+            "100 tiny nodes": self.tiny_nodes,
         }
         if self.blas is not None:
             probes["step, OpenBLAS 1 thread"] = self.step_one_thread
@@ -89,6 +94,12 @@ class Probes:
     def forward_argmax(self) -> None:
         kv = self.engine.runner.kv
         mx.eval(mx.argmax(self.build(), axis=-1), kv.keys, kv.values)  # as the step evaluates it
+
+    def tiny_nodes(self) -> None:
+        x = self.tiny
+        for _ in range(100):
+            x = x + self.tiny
+        mx.eval(x)
 
     def mlx_lm_forward_argmax(self) -> None:
         logits = self.engine.model(self.last, cache=self.cache)

@@ -349,5 +349,11 @@ def test_decode_profile_quick_times_every_probe(model, tiny_model_dir, tmp_path)
     (path,) = tmp_path.glob("decode_profile*.json")
     assert path.name.startswith("decode_profile-gemma3_text") == (model == "gemma3_text")
     rows = {r["probe"]: r for r in json.loads(path.read_text())["rows"]}
-    assert {"step", "graph build (Python)", "forward + argmax", "mlx-lm forward + argmax"} <= set(rows)
+    assert {
+        "step",
+        "graph build (Python)",
+        "forward + argmax",
+        "mlx-lm forward + argmax",
+        "100 tiny nodes",
+    } <= set(rows)
     assert all(float(r["ms"].split()[0]) > 0 for r in rows.values())
