@@ -35,7 +35,7 @@ from unittest import mock
 from tqdm import tqdm
 
 from benchmarks.harness.engine_timing import decode_rate
-from benchmarks.harness.graph_nodes import median_nodes, nodes_per_async_eval
+from benchmarks.harness.graph_nodes import nodes_per_async_eval
 from benchmarks.harness.results import RESULTS_DIR, metadata, print_report, write_results
 from benchmarks.harness.runner import add_allow_dirty, parse_on_clean_tree
 from benchmarks.long_context import MlxLm
@@ -97,7 +97,7 @@ def measure_family(model_dir: Path, plan: dict, seed: int) -> dict:
     for name, engine in engines.items():
         with nodes_per_async_eval() as counts:
             engine.decode(decode_prompt, 1 if name == "mlx-lm" else plan["n"])
-        raw["graph nodes"][name] = [median_nodes(counts)]
+        raw["graph nodes"][name] = [statistics.median(counts)]
     return raw
 
 

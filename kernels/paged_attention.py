@@ -144,9 +144,7 @@ def write_kv(pool: mx.array, layout: AttentionLayout, values: mx.array) -> mx.ar
     the scatter), where indexing `pool[:, slots]` builds its index arrays again at every write.
     """
     heads, _, head_dim = pool.shape
-    values = values.transpose(1, 0, 2)
-    if values.dtype != pool.dtype:
-        values = values.astype(pool.dtype)
+    values = values.transpose(1, 0, 2).astype(pool.dtype)  # no graph node when the dtypes agree
     return mx.put_along_axis(pool, layout.slot_index(heads, head_dim), values, axis=1)
 
 

@@ -5,7 +5,6 @@ small model the count says much of a step's time (docs/how-it-works.md, "Graph n
 """
 
 import io
-import statistics
 from contextlib import contextmanager
 from unittest import mock
 
@@ -33,7 +32,3 @@ def nodes_per_async_eval():
 
     with mock.patch.object(mx, "async_eval", counted):
         yield counts
-
-
-def median_nodes(counts: list[int]) -> int:
-    return int(statistics.median(counts)) if counts else 0
