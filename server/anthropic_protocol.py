@@ -1,9 +1,12 @@
 """Anthropic Messages API request and response models (the subset minivllm serves).
 
-Every field of Anthropic's request is honoured or refused with a 400 naming it (docs/api-messages.md lists
-them). Validation is strict, as server.protocol's is, and, as at Anthropic, a field the API does not know
-is a 400 ("Extra inputs are not permitted"), at the top level and in every block: a misspelt or newer field
-is never dropped without a word.
+A field that changes what a correct answer is (tools, tool_choice, output_config.format, stop_sequences,
+max_tokens, sampling) is honoured or refused with a 400 naming it; a hint, display preference or telemetry
+field (thinking on a model that does not think, output_config.effort, metadata, beta headers) is accepted
+and named in the x-minivllm-ignored header (server.messages); docs/api-messages.md lists them. Validation is
+strict, as server.protocol's is, and, as at Anthropic, a field the API does not know is a 400 ("Extra inputs
+are not permitted"), at the top level and in every block: a misspelt or newer field is never dropped
+without a word.
 """
 
 from typing import Annotated, Any, Literal
@@ -11,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.protocol import Text
+from server.protocol import only as _only
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -18,18 +22,6 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 
 class AnthropicModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-
-
-def _only(field: str, allowed: tuple = (None,), why: str = "is not supported"):
-    """A validator that refuses field unless its value is one of allowed."""
-
-    def check(cls, v):
-        if v not in allowed:
-            shown = [a for a in allowed if a is not None]
-            raise ValueError(f"{field} {why}" + (f" (only {', '.join(map(repr, shown))})" if shown else ""))
-        return v
-
-    return field_validator(field)(classmethod(check))
 
 
 # -- content blocks -----------------------------------------------------------------------------------------
@@ -65,10 +57,18 @@ class ToolUseBlock(AnthropicModel):
     _no_toolset = _only("toolset_name")
 
 
+class ToolReferenceBlock(AnthropicModel):
+    """Tool search's result: a deferred tool (defer_loading) the model may call from here on."""
+
+    type: Literal["tool_reference"]
+    tool_name: Text
+    cache_control: CacheControl | None = None
+
+
 class ToolResultBlock(AnthropicModel):
     type: Literal["tool_result"]
     tool_use_id: Text
-    content: Text | list[TextBlock] = ""
+    content: Text | list[Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]] = ""
     is_error: bool = False  # the result is rendered as an error (server.messages)
     cache_control: CacheControl | None = None
     toolset_name: str | None = None
@@ -78,15 +78,37 @@ class ToolResultBlock(AnthropicModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, v):
-        _check_block_types(v, ("text",))
+        _check_block_types(v, ("text", "tool_reference"))
         return v
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else join_text(self.content)
+    def blocks(self) -> list:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-BLOCKS_OF_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+class ThinkingBlock(AnthropicModel):
+    """The model's earlier thinking, sent back; signature: what this server signed it with (it carries the
+    text, so that a history whose thinking was not displayed renders the same prompt)."""
+
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(AnthropicModel):
+    type: Literal["redacted_thinking"]
+    data: Text
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+BLOCKS_OF_ROLE = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+    "system": ("text",),  # a system message inside messages[] (Claude Code's): rendered in place
+}
 
 
 def _check_block_types(v, allowed: tuple[str, ...]) -> None:
@@ -105,7 +127,7 @@ def join_text(blocks: list[TextBlock]) -> str:
 
 
 class Message(AnthropicModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Text | list[Block]
 
     @model_validator(mode="before")
@@ -133,11 +155,11 @@ class Tool(AnthropicModel):
     # the input streams as one input_json_delta once the call is complete, eager or not: the hint changes
     # neither the events' kinds nor what they add up to
     eager_input_streaming: bool | None = None
-    defer_loading: bool | None = None  # tool search: refused
+    # left out of the prompt until a tool_reference block (tool search's result) names it (server.messages)
+    defer_loading: bool | None = None
     input_examples: list | None = None
     allowed_callers: list[str] | None = None
 
-    _no_deferred_loading = _only("defer_loading", (None, False), "(tool search) is not supported")
     _no_examples = _only("input_examples", (None, []))
     _direct_callers = _only("allowed_callers", (None, ["direct"]))
 
@@ -163,26 +185,32 @@ class ToolChoice(AnthropicModel):
 
 # -- other request fields -------------------------------------------------------------------------------------
 class Thinking(AnthropicModel):
-    type: Literal["disabled", "enabled", "adaptive"]
-    budget_tokens: int | None = None
-    display: Any = None
+    """On a model that thinks: enabled (budget_tokens bounds it), adaptive (it thinks), disabled. On one
+    that does not, every type answers without thinking (as adaptive does at Anthropic when the model
+    decides not to think)."""
 
-    @field_validator("type")
-    @classmethod
-    def _disabled_only(cls, v):
-        if v != "disabled":
-            raise ValueError(
-                f'{v!r} is not supported: the model does not think (only {{"type": "disabled"}})'
-            )
-        return v
+    type: Literal["disabled", "enabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks carry no text
+
+    @model_validator(mode="after")
+    def _budget_with_enabled(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError('budget_tokens is required with type "enabled"')
+        return self
+
+
+class KeepThinking(AnthropicModel):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
 
 
 class ClearThinking(AnthropicModel):
-    """Context editing that clears thinking blocks: the prompt holds none (thinking is disabled, and
-    thinking blocks are refused), so there is nothing to clear."""
+    """Context editing that clears the thinking of all but the last `keep` assistant turns that have some
+    (default 1), before the prompt is templated."""
 
     type: Literal["clear_thinking_20251015"]
-    keep: Any = None
+    keep: Literal["all"] | KeepThinking | None = None
 
 
 class ContextManagement(AnthropicModel):
@@ -205,9 +233,9 @@ class JsonOutputFormat(AnthropicModel):
 
 class OutputConfig(AnthropicModel):
     format: JsonOutputFormat | None = None  # the answer follows the schema (a grammar)
-    effort: str | None = None
-
-    _default_effort = _only("effort", (None, "high"))
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = (
+        None  # bounds thinking, where there is any
+    )
 
 
 class Metadata(AnthropicModel):

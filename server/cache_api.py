@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams
+from server import chat
 from server import protocol as p
 from server.core import ServerState, cache_salt, protocol_names, state_for, until_disconnect
 from server.errors import APIError
@@ -62,7 +63,8 @@ async def pin(body: PinRequest, request: Request) -> PinResponse:
     names = {"prompt": "messages" if body.messages is not None else "prompt", "pins": "ttl"}
     with protocol_names(names):
         if body.messages is not None:
-            ids = await until_disconnect(request, lambda: st.prompts.chat(body.messages, 1))
+            turns = chat.turns_of(body.messages)
+            ids = await until_disconnect(request, lambda: st.prompts.chat(turns, 1))
         else:
             (ids,) = await until_disconnect(request, lambda: st.prompts.completion(body.prompt, 1))
         salt = cache_salt(request, body.cache_salt)

@@ -1,18 +1,21 @@
-"""The serving core every protocol shares: the server's state, sampling params, n choices, the engine's
-refusals in a protocol's own names, and the one path from prompts to a JSON response or an SSE stream.
+"""The serving core every protocol shares: the server's state, the one path from a typed conversation
+(server.conversation) to the engine, and the one stream loop from its typed events (server.events) to a
+protocol's writer, as a JSON response or an SSE stream.
 
-A protocol module (server.chat, server.completions, server.messages) turns its request into prompt token ids
-(server.prompts, off the event loop) and a Format that writes its response; `generate` (OpenAI's sampling
-fields and n choices) or `run` (sampling params the protocol built itself) does the rest.
+A protocol module (server.chat, server.messages, server.responses; server.completions for raw prompts)
+parses its request into a Conversation; `prepare_chat` templates and tokenizes it (server.prompts, off the
+event loop), checks its tools and builds its grammar and each choice's sampling params; `serve` runs it and
+hands the events to the protocol's Writer.
 """
 
 import asyncio
 import json
+import logging
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastapi import Request
@@ -21,14 +24,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.shadow import ShadowReplay
-from server import protocol as p
+from server.conversation import Conversation, ThinkingMode
 from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body, named
-from server.generation import Delta, Generation, TokenUsage
+from server.events import Answer, ChoiceEvents, Event, Failed, ThinkMarkers
+from server.generation import Delta, Generation, ThinkingBudget, Usage
 from server.metrics import Metrics
 from server.prefix_report import EXPLAINED, HEADER, MessageLocator, PrefixReport, header_value, log, reports
 from server.prompts import PromptBuilder
 from server.settings import Settings
+from server.structured import output_grammar
+from server.tools import ToolCalling
+
+logger = logging.getLogger(__name__)
 
 MAX_CHOICES = 64
 # a keep-alive this often until a stream's first output: clients and proxies with idle timeouts wait out a
@@ -77,118 +85,199 @@ def state_for(request: Request, model: str) -> ServerState:
     return states[model]
 
 
-# -- sampling ---------------------------------------------------------------------------------------------
+# -- from a conversation to the engine -------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """What the serving core made of a conversation: the prompt, the tools, the output's grammar, each
+    choice's sampling params, and how its output reads."""
+
+    prompts: list[list[int]]
+    params: list[list[SamplingParams]]  # params[i][j]: choice j of prompt i
+    tools: ToolCalling | None = None
+    think: ThinkMarkers | None = None
+    window_bound: bool = False  # max_tokens was more than the context has room for: clamped
+    locate: MessageLocator | None = None
+    ignored: tuple[str, ...] = ()  # the request's fields accepted without effect (x-minivllm-ignored)
+    thinking_budget: ThinkingBudget | None = None
+
+    def choice_events(self) -> list[ChoiceEvents]:
+        n = sum(map(len, self.params))
+        return [ChoiceEvents(i, self.tools, self.think, self.window_bound) for i in range(n)]
+
+
+async def prepare_chat(request: Request, st: ServerState, conv: Conversation) -> Prepared:
+    """A conversation's prompt (templated and tokenized off the event loop), tools, grammar and params."""
+    tools = ToolCalling.of(conv, st.engine.tokenizer)
+    structured = output_grammar(conv, tools)
+    template_tools = tools and tools.template_tools()
+    thinks = model_thinks(st.engine.tokenizer)
+    # a grammar holds the whole output, from its first token: no thinking before a forced call or JSON
+    thinking = None if not thinks else conv.thinking.mode != ThinkingMode.OFF and structured is None
+    with protocol_names(conv.names):
+        # only the prompt must fit: max_tokens is an upper bound (clamp_max_tokens)
+        prompt = await until_disconnect(
+            request, lambda: st.prompts.chat(conv.turns, None, template_tools, thinking)
+        )
+    pins = await until_disconnect(request, lambda: _pins(st, conv, template_tools, prompt))
+    max_tokens, window_bound = clamp_max_tokens(st, conv.max_tokens, len(prompt))
+    params = sampling_params(request, conv, max_tokens, 0, structured, pins)
+
+    def locate(token: int):
+        return st.prompts.message_at(conv.turns, template_tools, prompt, token)
+
+    think = think_markers(st.engine.tokenizer, prompt) if thinks and thinking else None
+    ignored = conv.ignored + (() if thinks else conv.thinking_fields)
+    budget = None
+    end = think and st.engine.tokenizer.added_token_id(think.end)
+    if end is not None and conv.thinking.budget_tokens is not None:
+        budget = ThinkingBudget(end, conv.thinking.budget_tokens)
+    return Prepared([prompt], [params], tools, think, window_bound, locate, ignored, budget)
+
+
+def prepare_prompts(
+    request: Request, st: ServerState, conv: Conversation, prompts: list[list[int]]
+) -> Prepared:
+    """Raw prompts (/v1/completions): each prompt's choices' params, max_tokens clamped per prompt."""
+    params, window_bound = [], False
+    for i, prompt in enumerate(prompts):
+        max_tokens, clamped = clamp_max_tokens(st, conv.max_tokens, len(prompt))
+        window_bound |= clamped
+        params.append(sampling_params(request, conv, max_tokens, i * conv.sampling.n))
+    return Prepared(prompts, params, window_bound=window_bound, ignored=conv.ignored)
+
+
+def clamp_max_tokens(st: ServerState, max_tokens: int | None, prompt_tokens: int) -> tuple[int | None, bool]:
+    """max_tokens is an upper bound on every route: asking more than the context has room for runs to the
+    end of the context (None), never a 400; the bool says it was clamped (the finish is the context's).
+    The server's own bound (MINIVLLM_MAX_OUTPUT_TOKENS) applies first."""
+    cap = st.settings.max_output_tokens
+    if cap is not None:
+        max_tokens = cap if max_tokens is None else min(max_tokens, cap)
+    if max_tokens is None or prompt_tokens + max_tokens <= st.max_model_len:
+        return max_tokens, False
+    return None, True
+
+
+async def _pins(
+    st: ServerState, conv: Conversation, tools: list[dict] | None, prompt: list[int]
+) -> tuple[tuple[int, float], ...]:
+    """The conversation's breakpoints (turns before the pin's end, TTL) as the engine's pins (prompt
+    tokens, TTL)."""
+    if not conv.pins:
+        return ()
+    ends = await st.prompts.message_ends(conv.turns, tools, prompt, [k for k, _ in conv.pins])
+    return tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, conv.pins, strict=True) if tokens > 0)
+
+
+def model_thinks(tokenizer) -> bool:
+    """A model that writes its reasoning between think markers its template knows (Qwen3's <think>)."""
+    start = getattr(tokenizer.wrapper, "think_start", None)
+    return bool(start) and start in str(tokenizer.chat_template or "")
+
+
+def think_markers(tokenizer, prompt: list[int]) -> ThinkMarkers:
+    """The model's think markers; the output starts in thinking where the generation prompt opened it."""
+    wrapper = tokenizer.wrapper
+    tail = tokenizer.decode(prompt[-4:]).rstrip()
+    return ThinkMarkers(wrapper.think_start, wrapper.think_end, tail.endswith(wrapper.think_start))
+
+
 def sampling_params(
-    body: p.GenerationRequest,
+    request: Request,
+    conv: Conversation,
     max_tokens: int | None,
-    logprobs: int | None,
     first_index: int,
     structured: StructuredOutput | None = None,
-    cache_salt: str | None = None,
+    pins: tuple[tuple[int, float], ...] = (),
 ) -> list[SamplingParams]:
     """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i).
     max_tokens None: up to the end of the context (the engine checks what fits)."""
+    s = conv.sampling
+    salt = cache_salt(request, conv.cache_salt)
     try:
         return [
             SamplingParams(
                 max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=max(body.top_k, 0),
-                seed=None if body.seed is None else choice_seed(body.seed, first_index + j),
-                stop_token_ids=list(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos,
-                logprobs=logprobs,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                min_p=body.min_p,
-                logit_bias=body.token_bias,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=max(s.top_k, 0),
+                seed=None if s.seed is None else choice_seed(s.seed, first_index + j),
+                stop_token_ids=list(s.stop_token_ids),
+                ignore_eos=s.ignore_eos,
+                logprobs=conv.logprobs,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                repetition_penalty=s.repetition_penalty,
+                min_p=s.min_p,
+                logit_bias=dict(s.logit_bias),
                 structured_output=structured,
-                cache_salt=cache_salt,
+                cache_salt=salt,
+                pins=pins,
             )
-            for j in range(body.n)
+            for j in range(s.n)
         ]
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
 
 # -- the shared path ----------------------------------------------------------------------------------------
-class Format(Protocol):
-    """How one protocol writes a generation: the whole response, or its stream of events (SSE text). A
-    Format whose stream is more than a chunk per delta (the Responses API's typed events) has a method
-    `events(gen, rid, model) -> AsyncIterator[str]` that writes the whole SSE body instead."""
+class Writer(Protocol):
+    """How one protocol writes a generation: the whole response from its answers, or its stream of SSE
+    events, one or more per typed event (server.events)."""
 
     id_prefix: str
-    logprobs: bool
     # None: a stream starts once every choice has its first output. Seconds: the headers and a ping go out
     # at once, then a ping every keepalive_s until then, so that clients with an idle timeout wait out a
     # long prefill (refusals then arrive as the stream's error events)
     keepalive_s: float | None
 
-    def usage(self, counts: TokenUsage) -> dict: ...
+    def response(self, rid: str, model: str, answers: list[Answer], usage: Usage) -> dict: ...
 
-    def response(self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict): ...
+    def opening(self, rid: str, model: str, usage: Usage) -> list[str]: ...
 
-    def opening(self, rid: str, model: str, usage: dict) -> list[str]: ...
+    def event(self, rid: str, model: str, event: Event) -> list[str]: ...
 
-    def chunks(self, rid: str, model: str, d: Delta) -> list: ...
+    def closing(self, rid: str, model: str, usage: Usage) -> list[str]: ...
 
-    def frame(self, chunk) -> str: ...
-
-    def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]: ...
-
-    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]: ...
+    def failure(self, rid: str, model: str, failed: Failed, usage: Usage) -> list[str]: ...
 
     def ping(self) -> str: ...
 
 
-DONE = "data: [DONE]\n\n"
+def sse(payload, event: str | None = None) -> str:
+    """One server-sent event: `data: <json>` (a pydantic model, a dict, or a string as it is), named or not."""
+    if hasattr(payload, "model_dump_json"):
+        data = payload.model_dump_json(exclude_none=True)
+    elif isinstance(payload, str):
+        data = payload
+    else:
+        data = json.dumps(payload, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
 
 
-class OpenAIEvents:
-    """OpenAI's usage and stream framing, which chat and completions share: `data: <json>` chunks, the
-    usage chunk last when asked for, `data: [DONE]` at the end (after an error too); an SSE comment at
-    once and every KEEPALIVE_S until the first output."""
-
-    keepalive_s: float | None = KEEPALIVE_S
-
-    def usage(self, counts: TokenUsage) -> dict:
-        return counts.openai()
-
-    def opening(self, rid: str, model: str, usage: dict) -> list[str]:
-        return []
-
-    def frame(self, chunk) -> str:
-        return _data(chunk)
-
-    def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]:
-        usage_chunk = [_data(self.usage_chunk(rid, model, usage))] if include_usage else []
-        return usage_chunk + [DONE]
-
-    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
-        return [_data(error_body(status, message, param=param)), DONE]
-
-    def ping(self) -> str:
-        return ": ping\n\n"  # an SSE comment: clients skip it
+IGNORED_HEADER = "x-minivllm-ignored"
+_logged_ignored: set[str] = set()
 
 
-async def generate(
-    request: Request,
-    state: ServerState,
-    fmt: Format,
-    body: p.GenerationRequest,
-    prompts: list[list[int]],
-    max_tokens: int | None,
-    logprobs: int | None,
-    structured: StructuredOutput | None = None,
-    locate: MessageLocator | None = None,
-    names: Mapping[str, str] | None = None,
+def ignored_headers(ignored: tuple[str, ...]) -> dict[str, str]:
+    """The x-minivllm-ignored header: the request fields accepted without effect (each logged once)."""
+    if not ignored:
+        return {}
+    for path in ignored:
+        if path not in _logged_ignored:
+            _logged_ignored.add(path)
+            logger.info("accepted without effect (named in %s): %s", IGNORED_HEADER, path)
+    return {IGNORED_HEADER: ",".join(dict.fromkeys(ignored))}
+
+
+async def serve(
+    request: Request, st: ServerState, conv: Conversation, prepared: Prepared, writer: Writer
 ) -> Response:
-    choices = len(prompts) * body.n
+    """A prepared conversation -> the response: whole, or streamed through the writer."""
+    choices = sum(map(len, prepared.params))
     if choices > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n)", param="n")
-    max_waiting = state.settings.max_waiting
+    max_waiting = st.settings.max_waiting
     if choices > max_waiting:  # on a busy server every choice must wait: they must fit the queue together
         raise APIError(
             400,
@@ -196,71 +285,152 @@ async def generate(
             f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
-    salt = cache_salt(request, getattr(body, "cache_salt", None))
-    params = [
-        sampling_params(body, max_tokens, logprobs, i * body.n, structured, salt) for i in range(len(prompts))
-    ]
-    hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
-    return await run(
-        request,
-        state,
-        fmt,
-        prompts,
-        params,
-        body.stop,
+    hidden = _hidden_tokens(st, conv, prepared)
+    rid = f"{writer.id_prefix}-{uuid.uuid4().hex}"
+    gen = Generation(
+        st.engine,
+        rid,
+        prepared.prompts,
+        prepared.params,
+        list(conv.stops),
+        st.metrics,
         hidden,
-        body.stream,
-        body.include_usage,
-        locate,
-        names,
+        conv.names,
+        prepared.thinking_budget,
     )
-
-
-async def run(
-    request: Request,
-    state: ServerState,
-    fmt: Format,
-    prompts: list[list[int]],
-    params: list[list[SamplingParams]],
-    stops: list[str],
-    hidden: frozenset[int],
-    stream: bool,
-    include_usage: bool = False,
-    locate: MessageLocator | None = None,
-    names: Mapping[str, str] | None = None,
-) -> Response:
-    """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response. locate: the
-    message holding a prompt token, for the prefix-cache report (server.prefix_report). names: the
-    protocol's fields by engine parameter, for a refusal that comes after a stream's headers."""
-    rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden, names or {})
-    explain = _explainer(request, state, gen, locate)
+    explain = _explainer(request, st, gen, prepared.locate)
+    stream = _Stream(gen, writer, rid, st.model_name, prepared.choice_events())
+    headers = ignored_headers(prepared.ignored)
     streaming = False
     try:
-        if stream and fmt.keepalive_s is not None:
+        if conv.stream and writer.keepalive_s is not None:
             # the stream starts before the engine answers: what the request can be refused for up front
             # is refused here, as an HTTP error (and the prefix-cache report comes as an SSE comment)
-            for prompt, plist in zip(prompts, params, strict=True):
-                vocab = state.engine.vocab_size
-                check_request(prompt, plist[0].max_tokens, plist[0].logit_bias, vocab, state.max_model_len)
+            for prompt, plist in zip(prepared.prompts, prepared.params, strict=True):
+                vocab = st.engine.vocab_size
+                with protocol_names(conv.names):
+                    check_request(prompt, plist[0].max_tokens, plist[0].logit_bias, vocab, st.max_model_len)
             streaming = True
-            body = _stream_body(gen, fmt, rid, state.model_name, include_usage)
-            return GenerationStream(gen, _with_pings(gen, fmt, body, names or {}, explain))
-        await until_disconnect(request, gen.start)
-        headers = {HEADER: await until_disconnect(request, explain)}
-        if stream:
+            return GenerationStream(gen, stream.with_pings(explain), headers)
+        with protocol_names(conv.names):
+            await until_disconnect(request, gen.start)
+        headers[HEADER] = await until_disconnect(request, explain)
+        if conv.stream:
             streaming = True  # from here the response closes gen
-            return GenerationStream(
-                gen, _stream_body(gen, fmt, rid, state.model_name, include_usage), headers
-            )
+            return GenerationStream(gen, stream.body(), headers)
         per_choice = await until_disconnect(request, gen.collect)
-        usage = fmt.usage(gen.token_usage())
-        return JSONResponse(
-            fmt.response(rid, state.model_name, per_choice, usage).model_dump(), headers=headers
-        )
+        answers = stream.answers(per_choice)
+        body = writer.response(rid, st.model_name, answers, stream.usage())
+        return JSONResponse(body, headers=headers)
     finally:
         if not streaming:
             gen.close()
+
+
+def _hidden_tokens(st: ServerState, conv: Conversation, prepared: Prepared) -> frozenset[int]:
+    """The tokens that add no output text: the special tokens, unless the request asks for them; a model's
+    think markers stay in the text, to be split off as thinking."""
+    if not conv.hide_special_tokens:
+        return frozenset()
+    if prepared.think is None:
+        return st.special_token_ids
+    tok = st.engine.tokenizer
+    markers = {tok.added_token_id(prepared.think.start), tok.added_token_id(prepared.think.end)}
+    return st.special_token_ids - markers
+
+
+@dataclass
+class _Stream:
+    """The one stream loop: a started generation's deltas -> each choice's events -> the writer's SSE."""
+
+    gen: Generation
+    writer: Writer
+    rid: str
+    model: str
+    choices: list[ChoiceEvents]
+
+    def usage(self) -> Usage:
+        """The generation's usage, with the thinking tokens the choices' events counted."""
+        return replace(self.gen.usage(), reasoning=sum(c.thinking_tokens for c in self.choices))
+
+    def answers(self, per_choice: list[list[Delta]]) -> list[Answer]:
+        answers = [Answer(c.index) for c in self.choices]
+        for deltas, events, answer in zip(per_choice, self.choices, answers, strict=True):
+            for d in deltas:
+                for event in events.feed(d):
+                    answer.add(event)
+        return answers
+
+    async def body(self) -> AsyncIterator[str]:
+        """The SSE body; if the client goes away, the generation is closed and this ends."""
+        w, rid, model = self.writer, self.rid, self.model
+        try:
+            for text in w.opening(rid, model, self.usage()):
+                yield text
+            async for d in self.gen.deltas():
+                for event in self.choices[d.index].feed(d):
+                    if isinstance(event, Failed):
+                        for text in w.failure(rid, model, event, self.usage()):
+                            yield text
+                        return
+                    for text in w.event(rid, model, event):
+                        yield text
+            if self.gen.closed:
+                return  # the client is gone
+            for text in w.closing(rid, model, self.usage()):
+                yield text
+        finally:
+            self.gen.close()
+
+    async def with_pings(self, explain: Callable[[], Awaitable[str]]) -> AsyncIterator[str]:
+        """Start the generation with pings while it waits, then the prefix-cache report as an SSE comment
+        (the headers left before the engine had admitted the request), then the body; a refusal ends the
+        stream as the writer's error events, naming the request's field."""
+        gen, w = self.gen, self.writer
+        try:
+            try:
+                async for ping in _start_with_pings(gen, w.keepalive_s, w.ping):
+                    yield ping
+            except (APIError, RequestError) as e:
+                refusal = named(e, gen.names) if isinstance(e, RequestError) else e
+                failed = Failed(0, refusal.status, refusal.message, refusal.param)
+                for text in w.failure(self.rid, self.model, failed, self.usage()):
+                    yield text
+                return
+            yield f": {HEADER}: {await explain()}\n\n"
+            async for text in self.body():
+                yield text
+        finally:
+            gen.close()
+
+
+class OpenAIEvents:
+    """OpenAI's stream framing, which chat and completions share: `data: <json>` chunks, the usage chunk
+    last when asked for, `data: [DONE]` at the end (after an error too); an SSE comment at once and every
+    KEEPALIVE_S until the first output."""
+
+    keepalive_s: float | None = KEEPALIVE_S
+
+    def __init__(self, include_usage: bool):
+        self.include_usage = include_usage
+
+    def opening(self, rid: str, model: str, usage: Usage) -> list[str]:
+        return []
+
+    def closing(self, rid: str, model: str, usage: Usage) -> list[str]:
+        usage_chunk = [sse(self.usage_chunk(rid, model, usage.openai()))] if self.include_usage else []
+        return usage_chunk + [DONE]
+
+    def failure(self, rid: str, model: str, failed: Failed, usage: Usage) -> list[str]:
+        return [sse(error_body(failed.status, failed.message, param=failed.param)), DONE]
+
+    def ping(self) -> str:
+        return ": ping\n\n"  # an SSE comment: clients skip it
+
+    def usage_chunk(self, rid: str, model: str, usage: dict): ...
+
+
+DONE = "data: [DONE]\n\n"
 
 
 def _explainer(
@@ -298,62 +468,6 @@ class GenerationStream(StreamingResponse):
             self.gen.close()
 
 
-def _stream_body(
-    gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    """The SSE body of a started generation: the format's own events, or a chunk per delta."""
-    if hasattr(fmt, "events"):
-        return fmt.events(gen, rid, model)
-    return _sse(gen, fmt, rid, model, include_usage)
-
-
-async def _with_pings(
-    gen: Generation,
-    fmt: Format,
-    body: AsyncIterator[str],
-    names: Mapping[str, str],
-    explain: Callable[[], Awaitable[str]],
-) -> AsyncIterator[str]:
-    """Start gen with pings while it waits, then the prefix-cache report as an SSE comment (the headers
-    left before the engine had admitted the request), then the body; a refusal ends the stream as its
-    error events, naming the request's field (names: as for protocol_names)."""
-    try:
-        try:
-            async for ping in _start_with_pings(gen, fmt.keepalive_s, fmt.ping):
-                yield ping
-        except (APIError, RequestError) as e:
-            refusal = named(e, names) if isinstance(e, RequestError) else e
-            for event in fmt.error_events(refusal.status, refusal.message, refusal.param):
-                yield event
-            return
-        yield f": {HEADER}: {await explain()}\n\n"
-        async for event in body:
-            yield event
-    finally:
-        gen.close()
-
-
-async def _sse(gen: Generation, fmt: Format, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body; if the client goes away, the generation is closed and this ends."""
-    try:
-        for event in fmt.opening(rid, model, fmt.usage(gen.token_usage())):
-            yield event
-        async for d in gen.deltas():
-            if d.error:
-                for event in fmt.error_events(d.error_status, d.error, d.error_param):
-                    yield event
-                return
-            if d.text or d.finish_reason or (fmt.logprobs and d.logprobs):
-                for chunk in fmt.chunks(rid, model, d):
-                    yield fmt.frame(chunk)
-        if gen.closed:
-            return  # the client is gone
-        for event in fmt.closing(rid, model, fmt.usage(gen.token_usage()), include_usage):
-            yield event
-    finally:
-        gen.close()
-
-
 async def _start_with_pings(gen: Generation, every_s: float, ping: Callable[[], str]) -> AsyncIterator[str]:
     """Start gen: a ping at once, then one every every_s until every choice has its first output. A
     refusal is raised."""
@@ -365,15 +479,6 @@ async def _start_with_pings(gen: Generation, every_s: float, ping: Callable[[], 
         start.result()
     finally:
         start.cancel()
-
-
-def _data(payload) -> str:
-    text = (
-        payload.model_dump_json(exclude_none=True)
-        if hasattr(payload, "model_dump_json")
-        else json.dumps(payload)
-    )
-    return f"data: {text}\n\n"
 
 
 def cache_salt(request: Request, salt: str | None) -> str | None:

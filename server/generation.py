@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minivllm.engine.llm_engine import QueueFull, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
@@ -105,22 +105,36 @@ class Delta:
 
 
 @dataclass
-class TokenUsage:
-    """A generation's token counts. The prompt's tokens are restored from the cache (cached), published
-    to it by this request (created: whole pages within the prompt), or computed and kept private."""
+class Usage:
+    """A generation's token counts, which each protocol's writer renders in its own names. The prompt's
+    tokens are restored from the cache (cached), published to it by this request (created: whole pages
+    within the prompt), or computed and kept private."""
 
     prompt: int
     cached: int
     created: int
     completion: int
+    reasoning: int = 0  # of completion: thinking tokens
 
     def openai(self) -> dict:
+        """Chat's and completions' usage object."""
         return {
             "prompt_tokens": self.prompt,
             "completion_tokens": self.completion,
             "total_tokens": self.prompt + self.completion,
             "prompt_tokens_details": {"cached_tokens": self.cached},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning},
         }
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """Thinking closes after `tokens` output tokens: the engine request stops there (or where the model
+    closes it itself, at `end`), and a second one continues from the prompt, the thinking and `end`; the
+    prefix cache restores what the first computed."""
+
+    end: int  # the think-end token
+    tokens: int
 
 
 @dataclass
@@ -133,7 +147,9 @@ class Choice:
     first_of_prompt: bool  # counts the prompt in usage (the other n-1 choices share it)
     started: asyncio.Future | None = None  # resolved by the first output, or failed by the refusal
     last: RequestOutput | None = None
+    first: RequestOutput | None = None  # the first engine request's last output (a thinking budget: two)
     done: bool = False  # its last delta is out
+    earlier_output_tokens: int = 0  # output tokens of a first engine request (a thinking budget)
 
     def to_delta(self, out: RequestOutput, text: TextStream) -> Delta:
         tokens, logprobs = out.new_token_ids, out.new_logprobs
@@ -162,6 +178,7 @@ class Generation:
         metrics=None,
         hidden_token_ids: frozenset[int] = frozenset(),
         names: Mapping[str, str] | None = None,
+        thinking_budget: ThinkingBudget | None = None,
     ):
         """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major.
         hidden_token_ids: tokens that add no output text (they still count, and show in logprobs).
@@ -170,6 +187,7 @@ class Generation:
         self.metrics = metrics
         self.hidden_token_ids = hidden_token_ids
         self.names = names or {}
+        self.thinking_budget = thinking_budget
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.choices: list[Choice] = []
@@ -236,12 +254,8 @@ class Generation:
             raise APIError(503, "request closed before it finished")
         return per_choice
 
-    def usage(self) -> dict:
-        """OpenAI's usage object."""
-        return self.token_usage().openai()
-
-    def token_usage(self) -> TokenUsage:
-        outs = [(c, c.last) for c in self.choices if c.last is not None]
+    def usage(self) -> Usage:
+        outs = [(c, c.first or c.last) for c in self.choices if c.last is not None]
         firsts = [o for c, o in outs if c.first_of_prompt]
         prompt = sum(o.num_prompt_tokens for o in firsts)
         cached = sum(o.num_cached_tokens for o in firsts)
@@ -249,28 +263,26 @@ class Generation:
         created = sum(
             min(o.num_published_prompt_tokens, o.num_prompt_tokens - o.num_cached_tokens) for o in firsts
         )
-        completion = sum(o.num_output_tokens for _, o in outs)
-        return TokenUsage(prompt, cached, created, completion)
+        completion = sum(c.earlier_output_tokens + c.last.num_output_tokens for c, _ in outs)
+        return Usage(prompt, cached, created, completion)
 
     # -- one choice -----------------------------------------------------------------------------------
     async def _run(self, c: Choice) -> None:
-        stream = self.engine.generate(c.request_id, c.prompt, c.params)
+        text = TextStream(self.engine.tokenizer, c.stops, self.hidden_token_ids)
+        budget = self.thinking_budget
+        params = c.params
+        if budget is not None:  # the first engine request: the thinking, up to its budget
+            cap = budget.tokens if params.max_tokens is None else min(budget.tokens, params.max_tokens)
+            params = replace(params, max_tokens=cap, stop_token_ids=[*params.stop_token_ids, budget.end])
         try:
-            text = TextStream(self.engine.tokenizer, c.stops, self.hidden_token_ids)
-            async for out in stream:
-                c.last = out
-                if not c.started.done():
-                    c.started.set_result(None)
-                if out.new_token_ids and self.first_token_time is None:
-                    self.first_token_time = time.monotonic()
-                delta = c.to_delta(out, text)
-                if delta.error_param:  # the request's own input at fault: its field in the protocol's name
-                    refusal = named(RequestError(delta.error, param=delta.error_param), self.names)
-                    delta.error, delta.error_param = refusal.message, refusal.param
-                self.events.put_nowait(delta)
-                if delta.finish_reason:
-                    return  # a stop string: closing the stream below aborts the request
-            self.events.put_nowait(Delta(c.index, "", [], [], "error", "stream ended early"))
+            closed = await self._segment(c, c.prompt, params, text, budget)
+            if closed is not None:  # the answer, after the thinking (and its end, where the budget ended it)
+                c.first, c.earlier_output_tokens = c.last, len(closed)
+                left = None if c.params.max_tokens is None else c.params.max_tokens - len(closed)
+                if left is not None and left <= 0:
+                    self.events.put_nowait(Delta(c.index, text.finish(), [], [], "length"))
+                    return
+                await self._segment(c, c.prompt + closed, replace(c.params, max_tokens=left), text, None)
         except Exception as e:
             if not c.started.done():
                 c.started.set_exception(e)
@@ -278,9 +290,58 @@ class Generation:
                 logger.exception("request %s failed", c.request_id)
                 self.events.put_nowait(Delta(c.index, "", [], [], "error", f"{type(e).__name__}: {e}"))
         finally:
-            await stream.aclose()
             if not c.started.done():
                 c.started.cancel()
+
+    async def _segment(
+        self,
+        c: Choice,
+        prompt: list[int],
+        params: SamplingParams,
+        text: TextStream,
+        budget: ThinkingBudget | None,
+    ) -> list[int] | None:
+        """One engine request's outputs as deltas. With a budget: its output tokens, ending with the think
+        end, when the answer is still to come (None when the output ended here)."""
+        rid = c.request_id if budget is not None or c.first is None else f"{c.request_id}-answer"
+        stream = self.engine.generate(rid, prompt, params)
+        tokens: list[int] = []
+        try:
+            async for out in stream:
+                c.last = out
+                if not c.started.done():
+                    c.started.set_result(None)
+                if out.new_token_ids and self.first_token_time is None:
+                    self.first_token_time = time.monotonic()
+                tokens += out.new_token_ids
+                if budget is not None and out.finished and self._thinking_ends(out, budget, c):
+                    if out.stop_token_id != budget.end:  # the budget ended the thinking: close it
+                        tokens.append(budget.end)
+                    piece = text.add(
+                        out.new_token_ids if out.stop_token_id is None else out.new_token_ids[:-1]
+                    )
+                    piece += text.add([budget.end])
+                    self.events.put_nowait(Delta(c.index, piece, out.new_token_ids, out.new_logprobs))
+                    return tokens
+                delta = c.to_delta(out, text)
+                if delta.error_param:  # the request's own input at fault: its field in the protocol's name
+                    refusal = named(RequestError(delta.error, param=delta.error_param), self.names)
+                    delta.error, delta.error_param = refusal.message, refusal.param
+                self.events.put_nowait(delta)
+                if delta.finish_reason:
+                    return None  # a stop string: closing the stream below aborts the request
+            self.events.put_nowait(Delta(c.index, "", [], [], "error", "stream ended early"))
+            return None
+        finally:
+            await stream.aclose()
+
+    @staticmethod
+    def _thinking_ends(out: RequestOutput, budget: ThinkingBudget, c: Choice) -> bool:
+        """The first engine request ended at the think end or at the budget, with room left for an answer."""
+        if out.stop_token_id == budget.end:
+            return True
+        within_max = c.params.max_tokens is None or out.num_output_tokens < c.params.max_tokens
+        return out.finish_reason == "length" and within_max
 
     def _record_metrics(self) -> None:
         if self.metrics is None:
@@ -290,8 +351,8 @@ class Generation:
         if all(c.done for c in self.choices):
             self.metrics.latency.observe(time.monotonic() - self.arrival)
         usage = self.usage()
-        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
-        self.metrics.completion_tokens.inc(usage["completion_tokens"])
+        self.metrics.prompt_tokens.inc(usage.prompt)
+        self.metrics.completion_tokens.inc(usage.completion)
 
 
 def _api_error(e: BaseException) -> Exception:

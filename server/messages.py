@@ -9,57 +9,49 @@ while the prompt is prefilled.
 """
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams, StructuredOutput
+from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S
 from server import anthropic_protocol as a
-from server import protocol as p
-from server.core import KEEPALIVE_S, ServerState, cache_salt, protocol_names, run, state_for, until_disconnect
+from server.conversation import (
+    ChoiceMode,
+    Conversation,
+    OutputFormat,
+    Role,
+    Sampling,
+    Thinking,
+    ThinkingMode,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+    Turn,
+    seal,
+    unseal,
+)
+from server.core import KEEPALIVE_S, prepare_chat, serve, sse, state_for
 from server.errors import APIError, anthropic_error_body
-from server.generation import Delta, TokenUsage
-from server.structured import output_grammar
-from server.tools import ToolCalling, ToolCallStream
+from server.events import Answer, Event, Failed, Finished, StopReason, TextDelta, ThinkingDelta, ToolCallDone
+from server.generation import Usage
 
 router = APIRouter()
 MAX_BREAKPOINTS = 4  # blocks with cache_control in one request, as at Anthropic
-CHOICES = {"any": "required", "auto": "auto", "none": "none"}  # Anthropic's tool_choice -> ToolCalling's
+CHOICES = {"any": ChoiceMode.REQUIRED, "auto": ChoiceMode.AUTO, "none": ChoiceMode.NONE}
+# Anthropic's output_config.effort on a model that thinks, as thinking tokens (higher: no bound)
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096}
+HINT_HEADERS = (
+    "anthropic-beta",
+)  # request headers that ask for what the server does by itself or not at all
 
 
 @router.post("/v1/messages")
 async def messages(body: a.MessagesRequest, request: Request):
     st = state_for(request, body.model)
-    tools = tool_calling(body, st.engine.tokenizer)
-    structured = output(body, tools)
-    forced = tools is not None and tools.forced
-    names = {
-        "prompt": "messages",
-        "max_tokens": "max_tokens",
-        "structured_output": "tool_choice" if forced else "output_config.format",
-    }
-    turns, owners = conversation_of(body)
-    template_tools = tools and tools.template_tools()
-    with protocol_names(names):
-        # only the prompt must fit: as at Anthropic (its newer models), an answer that reaches the end of
-        # the context before max_tokens stops there, stop_reason "model_context_window_exceeded" (Claude
-        # Code asks for 32000 tokens whatever the context)
-        prompt = await until_disconnect(request, lambda: st.prompts.chat(turns, None, template_tools))
-        fits = len(prompt) + body.max_tokens <= st.max_model_len
-        marks = breakpoints(body, turns, owners)
-        pins = await until_disconnect(request, lambda: pinned(st, turns, template_tools, prompt, marks))
-        salt = cache_salt(request, None)  # the API key's cache domain, as on the other protocols
-        params = sampling(body, structured, body.max_tokens if fits else None, pins, salt)
-        fmt = MessagesFormat(tools, window_bound=not fits)
-        stops = body.stop_sequences or []
-
-        def locate(token: int):
-            return st.prompts.message_at(turns, template_tools, prompt, token)
-
-        hidden = st.special_token_ids
-        return await run(
-            request, st, fmt, [prompt], [[params]], stops, hidden, body.stream, locate=locate, names=names
-        )
+    conv = parse(body, request.headers)
+    prepared = await prepare_chat(request, st, conv)
+    return await serve(request, st, conv, prepared, MessagesWriter(conv))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -67,106 +59,205 @@ async def count_tokens(body: a.CountTokensRequest, request: Request) -> a.TokenC
     """The prompt's tokens, as /v1/messages would template them: what its usage's input_tokens,
     cache_read_input_tokens and cache_creation_input_tokens add up to."""
     st = state_for(request, body.model)
-    tools = tool_calling(body, st.engine.tokenizer)
-    output(body, tools)  # refused here as there
-    with protocol_names({"prompt": "messages"}):
-        prompt = await until_disconnect(request, lambda: build_prompt(st, body, tools, None))
-    return a.TokenCount(input_tokens=len(prompt))
+    prepared = await prepare_chat(request, st, parse(body, request.headers))
+    return a.TokenCount(input_tokens=len(prepared.prompts[0]))
 
 
 # -- the request --------------------------------------------------------------------------------------------
-def tool_calling(body: a.CountTokensRequest, tokenizer) -> ToolCalling | None:
-    tools = [_function_tool(t) for t in body.tools or []]
-    choice = body.tool_choice or a.ToolChoice(type="auto")
-    mode = p.NamedFunction(name=choice.name) if choice.type == "tool" else CHOICES[choice.type]
-    text_answer = body.output_config is None or body.output_config.format is None
-    calling = ToolCalling.build(tools, mode, not choice.disable_parallel_tool_use, tokenizer, text_answer)
-    if any(t.strict for t in body.tools or ()) and not (calling and calling.forced):
-        # a call the model makes on its own is read from its text, not held to the schema
-        raise APIError(
-            400, 'strict tool inputs need a forced call (tool_choice "any" or "tool")', param="tools"
-        )
-    return calling
-
-
-def _function_tool(tool: a.Tool) -> p.Tool:
-    """An Anthropic tool as the function tool that chat templates and the call grammar take (constructed:
-    Anthropic's names may be longer than OpenAI's)."""
-    fn = p.FunctionDefinition.model_construct(
-        name=tool.name, description=tool.description, parameters=tool.input_schema, strict=None
-    )
-    return p.Tool.model_construct(type="function", function=fn)
-
-
-def output(body: a.CountTokensRequest, tools: ToolCalling | None) -> StructuredOutput | None:
-    fmt = body.output_config and body.output_config.format
-    return output_grammar(fmt is not None, fmt and fmt.schema_, tools, "output_config.format")
-
-
-def sampling(
-    body: a.MessagesRequest,
-    structured: StructuredOutput | None,
-    max_tokens: int | None,
-    pins: tuple[tuple[int, float], ...] = (),
-    salt: str | None = None,
-) -> SamplingParams:
-    """max_tokens None: up to the end of the context."""
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            structured_output=structured,
-            pins=pins,
-            cache_salt=salt,
-        )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-
-async def build_prompt(
-    st: ServerState, body: a.CountTokensRequest, tools: ToolCalling | None, max_tokens: int | None
-) -> list[int]:
-    return await st.prompts.chat(conversation(body), max_tokens, tools and tools.template_tools())
-
-
-def conversation(body: a.CountTokensRequest) -> list[p.ChatMessage]:
-    return conversation_of(body)[0]
-
-
-def conversation_of(body: a.CountTokensRequest) -> tuple[list[p.ChatMessage], list[int]]:
-    """The request as chat messages, and for each the index of the request message it ends with (-1: the
-    system prompt). The system prompt comes first (less Claude Code's billing header); a user message's
-    tool_result blocks become tool messages and its text blocks user messages, in their order; an
-    assistant message's tool_use blocks become its tool calls. Consecutive messages of one role are one
-    turn, as at Anthropic."""
+def parse(body: a.CountTokensRequest, headers: Mapping[str, str] = {}) -> Conversation:
+    """The request as the typed conversation. The system prompt comes first (less Claude Code's billing
+    header); a system message inside messages[] stays where it is; a user message's tool_result blocks
+    become tool turns and its text blocks user turns, in their order; an assistant message's thinking is
+    its turn's thinking, its tool_use blocks its calls. Consecutive messages of one role are one turn, as at
+    Anthropic. Deferred tools (defer_loading) join the tools once a tool_reference names them."""
     if body.messages[-1].role == "assistant":
         raise APIError(
             400,
             "a last assistant message (prefill) is not supported: end with a user message",
             param="messages",
         )
-    turns, owners = [], []
+    loaded = {
+        r.tool_name
+        for m in body.messages
+        for b in m.blocks()
+        if b.type == "tool_result"
+        for r in b.blocks()
+        if r.type == "tool_reference"
+    }
+    tools = {t.name: t for t in body.tools or ()}
+    turns = _turns(body, tools, _thinking_kept(body))
+    choice = body.tool_choice or a.ToolChoice(type="auto")
+    mode = ChoiceMode.NAMED if choice.type == "tool" else CHOICES[choice.type]
+    forced = mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED)
+    if any(t.strict for t in body.tools or ()) and not forced:
+        # a call the model makes on its own is read from its text, not held to the schema
+        raise APIError(
+            400, 'strict tool inputs need a forced call (tool_choice "any" or "tool")', param="tools"
+        )
+    fmt = body.output_config and body.output_config.format
+    max_tokens = getattr(body, "max_tokens", None)
+    thinking, thinking_fields = _thinking(body)
+    return Conversation(
+        turns=turns,
+        tools=tuple(_tool(t) for t in tools.values() if not t.defer_loading or t.name in loaded),
+        tool_choice=ToolChoice(mode, choice.name),
+        parallel_tool_calls=not choice.disable_parallel_tool_use,
+        output=OutputFormat(fmt.schema_) if fmt else None,
+        thinking=thinking,
+        max_tokens=max_tokens,
+        stops=tuple(getattr(body, "stop_sequences", None) or ()),
+        sampling=Sampling(
+            temperature=getattr(body, "temperature", 1.0),
+            top_p=getattr(body, "top_p", 1.0),
+            top_k=getattr(body, "top_k", 0),
+        ),
+        stream=getattr(body, "stream", False),
+        pins=breakpoints(body, turns) if max_tokens is not None else (),
+        names={
+            "prompt": "messages",
+            "max_tokens": "max_tokens",
+            "structured_output": "tool_choice" if forced else "output_config.format",
+            "output": "output_config.format",
+        },
+        ignored=_hints(body, headers),
+        thinking_fields=thinking_fields,
+    )
+
+
+def _hints(body: a.CountTokensRequest, headers: Mapping[str, str]) -> tuple[str, ...]:
+    """The fields accepted without effect on any model: telemetry, and what the server does by itself."""
+    hints = [h for h in HINT_HEADERS if h in headers]
+    metadata = getattr(body, "metadata", None)
+    if metadata is not None and metadata.user_id is not None:
+        hints.append("metadata.user_id")
+    if any(t.eager_input_streaming is not None for t in body.tools or ()):
+        hints.append("tools.eager_input_streaming")
+    return tuple(hints)
+
+
+def _thinking(body: a.CountTokensRequest) -> tuple[Thinking, tuple[str, ...]]:
+    """Thinking as asked (on a model that thinks), and the fields that only act on such a model."""
+    fields = []
+    effort = body.output_config and body.output_config.effort
+    budget = EFFORT_BUDGETS.get(effort) if effort else None
+    if effort:
+        fields.append("output_config.effort")
+    if body.thinking is None:
+        return Thinking(ThinkingMode.ADAPTIVE, budget), tuple(fields)
+    fields.append("thinking")
+    kind, show = body.thinking.type, body.thinking.display != "omitted"
+    if kind == "disabled":
+        return Thinking(ThinkingMode.OFF), tuple(fields)
+    if kind == "enabled":
+        budget = min(body.thinking.budget_tokens, budget or body.thinking.budget_tokens)
+        return Thinking(ThinkingMode.ON, budget, show), tuple(fields)
+    return Thinking(ThinkingMode.ADAPTIVE, budget, show), tuple(fields)
+
+
+def _thinking_kept(body: a.CountTokensRequest) -> int | None:
+    """How many of the last assistant turns with thinking keep it (context management's clear_thinking);
+    None: all."""
+    edits = body.context_management.edits if body.context_management else []
+    if not edits:
+        return None
+    keep = edits[-1].keep
+    return None if keep == "all" else 1 if keep is None else keep.value
+
+
+def _tool(tool: a.Tool) -> ToolSpec:
+    return ToolSpec(tool.name, tool.description, tool.input_schema, tool.strict)
+
+
+def _turns(body: a.CountTokensRequest, tools: dict[str, a.Tool], keep: int | None) -> tuple[Turn, ...]:
+    turns: list[Turn] = []
     system = body.system_text()
     if system is not None:
-        turns.append(p.ChatMessage(role="system", content=system))
-        owners.append(-1)
+        turns.append(Turn(Role.SYSTEM, system, source=-1))
     for i, m in enumerate(body.messages):
-        new = _assistant_turn(m) if m.role == "assistant" else _user_turns(m)
-        turns += new
-        owners += [i] * len(new)
-    return _merged(turns, owners)
+        if m.role == "assistant":
+            turns.append(_assistant_turn(m, i))
+        elif m.role == "system":
+            turns.append(Turn(Role.SYSTEM, a.join_text(m.blocks()), source=i))
+        else:
+            turns += _user_turns(m, i, tools)
+    return tuple(_merged(_clear_thinking(turns, keep)))
 
 
-def breakpoints(
-    body: a.MessagesRequest, turns: list[p.ChatMessage], owners: list[int]
-) -> list[tuple[int, float]]:
-    """The request's cache_control breakpoints as (k, TTL): each pins the prompt up to the start of chat
-    message k. A block of the system prompt pins the system prompt; a tool, the system prompt and the tools
-    (chat templates render tools there, before the first message); a block of a message, through the end
-    of the turn that holds it; the request's own cache_control, the whole conversation."""
-    system = 1 if owners and owners[0] == -1 else 0
+def _clear_thinking(turns: list[Turn], keep: int | None) -> list[Turn]:
+    if keep is None:
+        return turns
+    thinking = [k for k, t in enumerate(turns) if t.thinking]
+    cleared = set(thinking[: max(0, len(thinking) - keep)])
+    return [replace(t, thinking=None) if k in cleared else t for k, t in enumerate(turns)]
+
+
+def _assistant_turn(m: a.Message, index: int) -> Turn:
+    blocks = m.blocks()
+    calls = tuple(
+        ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
+        for b in blocks
+        if b.type == "tool_use"
+    )
+    thinking = "".join(unseal(b.signature) or b.thinking for b in blocks if b.type == "thinking")
+    text = a.join_text([b for b in blocks if b.type == "text"])
+    return Turn(Role.ASSISTANT, text, thinking=thinking or None, tool_calls=calls, source=index)
+
+
+def _user_turns(m: a.Message, index: int, tools: dict[str, a.Tool]) -> list[Turn]:
+    turns, texts = [], []
+    for b in [*m.blocks(), None]:  # None: the end, which closes the last run of text blocks
+        if b is not None and b.type == "text":
+            texts.append(b)
+            continue
+        if texts:
+            turns.append(Turn(Role.USER, a.join_text(texts), source=index))
+            texts = []
+        if b is not None:
+            result = _result_text(b, tools)
+            if b.is_error:  # the template has no place for it: the result says so itself
+                result = f"Error: {result}" if result else "Error"
+            turns.append(Turn(Role.TOOL, result, tool_call_id=b.tool_use_id, source=index))
+    return turns
+
+
+def _result_text(b: a.ToolResultBlock, tools: dict[str, a.Tool]) -> str:
+    """A tool result's text; a tool_reference (tool search found a deferred tool) is the tool's definition,
+    here rather than in the tool list, so that the prompt before it stays as it was (and cached)."""
+    parts = []
+    for part in b.blocks():
+        if part.type == "text":
+            parts.append(part.text)
+        elif (tool := tools.get(part.tool_name)) is not None:
+            parts.append("Tool loaded: " + json.dumps(_tool(tool).template_dict(), ensure_ascii=False))
+        else:
+            parts.append(f"Tool loaded: {part.tool_name}")
+    return "\n\n".join(parts)
+
+
+def _merged(turns: list[Turn]) -> list[Turn]:
+    out: list[Turn] = []
+    for t in turns:
+        prev = out[-1] if out else None
+        if (
+            prev is None
+            or prev.role != t.role
+            or t.role not in (Role.USER, Role.ASSISTANT)
+            or prev.tool_calls
+        ):
+            out.append(t)
+            continue
+        text = "\n\n".join(x for x in (prev.text, t.text) if x)
+        thinking = "".join(x for x in (prev.thinking, t.thinking) if x) or None
+        out[-1] = replace(t, text=text, thinking=thinking)
+    return out
+
+
+def breakpoints(body: a.CountTokensRequest, turns: tuple[Turn, ...]) -> tuple[tuple[int, float], ...]:
+    """The request's cache_control breakpoints as (k, TTL): each pins the prompt up to the start of turn k.
+    A block of the system prompt pins the system prompt; a tool, the system prompt and the tools (chat
+    templates render tools there, before the first message); a block of a message, through the end of the
+    turn that holds it; the request's own cache_control, the whole conversation."""
+    system = 1 if turns and turns[0].source == -1 else 0
     marks = []
     for block in body.system if isinstance(body.system, list) and system else ():
         if block.cache_control is not None:
@@ -177,7 +268,7 @@ def breakpoints(
     for i, m in enumerate(body.messages):
         for b in m.blocks():
             if b.cache_control is not None:
-                turn = next(t for t, owner in enumerate(owners) if owner >= i)  # merged into a later one
+                turn = next(t for t, turn in enumerate(turns) if turn.source >= i)  # merged into a later one
                 marks.append((turn + 1, _ttl(b.cache_control)))
     if body.cache_control is not None:
         marks.append((len(turns), _ttl(body.cache_control)))
@@ -187,71 +278,25 @@ def breakpoints(
             f"cache_control: at most {MAX_BREAKPOINTS} blocks may have cache_control, found {len(marks)}",
             param="cache_control",
         )
-    return marks
-
-
-async def pinned(
-    st: ServerState, turns: list[p.ChatMessage], tools: list[dict] | None, prompt: list[int], marks: list
-) -> tuple[tuple[int, float], ...]:
-    """The breakpoints as the engine's pins: (prompt tokens before message k, TTL) each."""
-    if not marks:
-        return ()
-    ends = await st.prompts.message_ends(turns, tools, prompt, [k for k, _ in marks])
-    return tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, marks, strict=True) if tokens > 0)
+    return tuple(marks)
 
 
 def _ttl(control: a.CacheControl) -> float:
     return TTL_MAX_S if control.ttl == "1h" else TTL_DEFAULT_S
 
 
-def _assistant_turn(m: a.Message) -> list[p.ChatMessage]:
-    blocks = m.blocks()
-    calls = [
-        p.ToolCall(
-            id=b.id, function=p.FunctionCall(name=b.name, arguments=json.dumps(b.input, ensure_ascii=False))
-        )
-        for b in blocks
-        if b.type == "tool_use"
-    ]
-    text = a.join_text([b for b in blocks if b.type == "text"])
-    return [p.ChatMessage(role="assistant", content=text, tool_calls=calls or None)]
-
-
-def _user_turns(m: a.Message) -> list[p.ChatMessage]:
-    turns, texts = [], []
-    for b in [*m.blocks(), None]:  # None: the end, which closes the last run of text blocks
-        if b is not None and b.type == "text":
-            texts.append(b)
-            continue
-        if texts:
-            turns.append(p.ChatMessage(role="user", content=a.join_text(texts)))
-            texts = []
-        if b is not None:
-            result = b.text()
-            if b.is_error:  # the template has no place for it: the result says so itself
-                result = f"Error: {result}" if result else "Error"
-            turns.append(p.ChatMessage(role="tool", tool_call_id=b.tool_use_id, content=result))
-    return turns
-
-
-def _merged(turns: list[p.ChatMessage], owners: list[int]) -> tuple[list[p.ChatMessage], list[int]]:
-    out: list[p.ChatMessage] = []
-    out_owners: list[int] = []
-    for t, owner in zip(turns, owners, strict=True):
-        prev = out[-1] if out else None
-        if prev is None or prev.role != t.role or t.role not in ("user", "assistant") or prev.tool_calls:
-            out.append(t)
-            out_owners.append(owner)
-            continue
-        text = "\n\n".join(x for x in (prev.text(), t.text()) if x)
-        out[-1] = p.ChatMessage(role=t.role, content=text, tool_calls=t.tool_calls)
-        out_owners[-1] = owner
-    return out, out_owners
-
-
 # -- the response -------------------------------------------------------------------------------------------
+STOP_REASONS = {
+    StopReason.END: "end_turn",
+    StopReason.STOP_STRING: "stop_sequence",
+    StopReason.TOOL_CALLS: "tool_use",
+    StopReason.LENGTH: "max_tokens",
+    StopReason.CONTEXT: "model_context_window_exceeded",  # as at Anthropic (its newer models)
+}
+
+
 def _event(payload: dict) -> str:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return sse(payload, payload["type"])
 
 
 def message_id(rid: str) -> str:
@@ -260,61 +305,68 @@ def message_id(rid: str) -> str:
 
 @dataclass
 class Content:
-    """One answer's content blocks as its text streams in: text blocks, and tool_use blocks split out of
-    the text (server.tools.ToolCallStream); add() returns the stream events of each piece."""
+    """One answer's content blocks as its events come: thinking, text and tool_use blocks; add() returns
+    the stream events of each. show_thinking False (display "omitted"): thinking blocks carry only their
+    signature."""
 
-    tools: ToolCalling | None
-    window_bound: bool = False  # max_tokens is more than the context has room for
-    blocks: list[a.TextContent | a.ToolUseContent] = field(default_factory=list)
-    text_open: bool = False  # the last block is a text block still growing
+    show_thinking: bool = True
+    blocks: list[dict] = field(default_factory=list)
+    open_kind: str | None = None  # the kind of the last block, while it still grows
     stop_reason: str | None = None
     stop_sequence: str | None = None
+    thinking: str = ""
 
-    def __post_init__(self) -> None:
-        self.calls = ToolCallStream(self.tools) if self.tools is not None else None
+    def add(self, event: Event) -> list[dict]:
+        if isinstance(event, ThinkingDelta):
+            self.thinking += event.text
+            shown = event.text if self.show_thinking else ""
+            return self._grow("thinking", {"type": "thinking", "thinking": "", "signature": ""}, shown)
+        if isinstance(event, TextDelta):
+            return self._grow("text", {"type": "text", "text": ""}, event.text) if event.text else []
+        if isinstance(event, ToolCallDone):
+            return self._close() + self._tool_use(event.call)
+        if isinstance(event, Finished):
+            self.stop_reason = STOP_REASONS[event.reason]
+            self.stop_sequence = event.stop_string if event.reason == StopReason.STOP_STRING else None
+            return self._close()
+        return []
 
-    def add(self, d: Delta) -> list[dict]:
-        final = d.finish_reason is not None
-        text, calls = self.calls.feed(d.text, final) if self.calls is not None else (d.text, [])
-        events = self._text(text) if text else []
-        for call in calls:
-            events += self._close_text() + self._tool_use(call)
-        if final:
-            events += self._close_text()
-            self.stop_reason = _stop_reason(d, bool(self.calls and self.calls.calls), self.window_bound)
-            self.stop_sequence = d.stop_string if self.stop_reason == "stop_sequence" else None
-        return events
-
-    def _text(self, text: str) -> list[dict]:
+    def _grow(self, kind: str, empty: dict, text: str) -> list[dict]:
         events = []
-        if not self.text_open:
-            self.blocks.append(a.TextContent(text=""))
-            self.text_open = True
-            events.append(_block_start(len(self.blocks) - 1, {"type": "text", "text": ""}))
-        self.blocks[-1].text += text
-        events.append(_block_delta(len(self.blocks) - 1, {"type": "text_delta", "text": text}))
+        if self.open_kind != kind:
+            events += self._close()
+            self.blocks.append(dict(empty))
+            self.open_kind = kind
+            events.append(_block_start(len(self.blocks) - 1, empty))
+        i = len(self.blocks) - 1
+        if text:
+            self.blocks[i][kind] += text
+            events.append(_block_delta(i, {"type": f"{kind}_delta", kind: text}))
         return events
 
-    def _close_text(self) -> list[dict]:
-        if not self.text_open:
+    def _close(self) -> list[dict]:
+        if self.open_kind is None:
             return []
-        self.text_open = False
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+        i, events = len(self.blocks) - 1, []
+        if self.open_kind == "thinking":
+            signature = seal(self.thinking)
+            self.blocks[i]["signature"] = signature
+            events.append(_block_delta(i, {"type": "signature_delta", "signature": signature}))
+            self.thinking = ""
+        self.open_kind = None
+        return [*events, {"type": "content_block_stop", "index": i}]
 
-    def _tool_use(self, call: dict) -> list[dict]:
-        fn = call["function"]
-        arguments = json.loads(fn["arguments"])
+    def _tool_use(self, call: ToolCall) -> list[dict]:
+        arguments = json.loads(call.arguments)
         if not isinstance(arguments, dict):  # a tool's input is an object: what is not stays the model's text
-            text = f"{self.tools.start}{json.dumps({'name': fn['name'], 'arguments': arguments})}{self.tools.end}"
-            return self._text(text) + self._close_text()
-        block = a.ToolUseContent(
-            id="toolu_" + call["id"].removeprefix("call_"), name=fn["name"], input=arguments
-        )
-        self.blocks.append(block)
+            text = json.dumps({"name": call.name, "arguments": arguments})
+            return self._grow("text", {"type": "text", "text": ""}, text) + self._close()
+        block = {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name}
+        self.blocks.append({**block, "input": arguments})
         i = len(self.blocks) - 1
         return [
-            _block_start(i, {"type": "tool_use", "id": block.id, "name": block.name, "input": {}}),
-            _block_delta(i, {"type": "input_json_delta", "partial_json": fn["arguments"]}),
+            _block_start(i, {**block, "input": {}}),
+            _block_delta(i, {"type": "input_json_delta", "partial_json": call.arguments}),
             {"type": "content_block_stop", "index": i},
         ]
 
@@ -327,30 +379,18 @@ def _block_delta(index: int, delta: dict) -> dict:
     return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-def _stop_reason(d: Delta, called: bool, window_bound: bool) -> str:
-    if d.finish_reason == "length":
-        return "model_context_window_exceeded" if window_bound else "max_tokens"
-    if d.stop_string is not None:
-        return "stop_sequence"
-    return "tool_use" if called else "end_turn"
-
-
-class MessagesFormat:
-    """Anthropic's Message, or its stream of events."""
+class MessagesWriter:
+    """Anthropic's Message, or its stream of events (message_start, content blocks, message_delta,
+    message_stop), with ping events while the prompt is prefilled."""
 
     id_prefix = "msg"
-    logprobs = False
     keepalive_s = KEEPALIVE_S
 
-    def __init__(self, tools: ToolCalling | None, window_bound: bool = False):
-        self.tools = tools
-        self.window_bound = window_bound
-        self.content = self._content()  # the stream's
+    def __init__(self, conv: Conversation):
+        self.show_thinking = conv.thinking.show
+        self.content = Content(self.show_thinking)  # the stream's
 
-    def _content(self) -> Content:
-        return Content(self.tools, self.window_bound)
-
-    def usage(self, counts: TokenUsage) -> dict:
+    def usage(self, counts: Usage) -> dict:
         return a.Usage(
             input_tokens=counts.prompt - counts.cached - counts.created,
             cache_creation_input_tokens=counts.created,
@@ -358,43 +398,43 @@ class MessagesFormat:
             output_tokens=counts.completion,
         ).model_dump()
 
-    def response(self, rid: str, model: str, per_choice: list[list[Delta]], usage: dict) -> a.MessageResponse:
-        (deltas,) = per_choice
-        content = self._content()
-        content.add(replace(deltas[-1], text="".join(d.text for d in deltas)))
+    def response(self, rid: str, model: str, answers: list[Answer], usage: Usage) -> dict:
+        (answer,) = answers
+        content = Content(self.show_thinking)
+        for event in answer.events:
+            content.add(event)
         return self._message(rid, model, content, usage)
 
-    def _message(self, rid: str, model: str, content: Content, usage: dict) -> a.MessageResponse:
-        return a.MessageResponse(
-            id=message_id(rid),
-            model=model,
-            content=content.blocks,
-            stop_reason=content.stop_reason,
-            stop_sequence=content.stop_sequence,
-            usage=usage,
-        )
+    def _message(self, rid: str, model: str, content: Content, usage: Usage) -> dict:
+        return {
+            "id": message_id(rid),
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": content.blocks,
+            "stop_reason": content.stop_reason,
+            "stop_sequence": content.stop_sequence,
+            "usage": self.usage(usage),
+        }
 
     # -- the stream ---------------------------------------------------------------------------------------
-    def opening(self, rid: str, model: str, usage: dict) -> list[str]:
-        message = self._message(rid, model, self._content(), usage).model_dump()
+    def opening(self, rid: str, model: str, usage: Usage) -> list[str]:
+        message = self._message(rid, model, Content(), usage)
         return [_event({"type": "message_start", "message": message})]
 
-    def chunks(self, rid: str, model: str, d: Delta) -> list[dict]:
-        return self.content.add(d)
+    def event(self, rid: str, model: str, event: Event) -> list[str]:
+        return [_event(e) for e in self.content.add(event)]
 
-    def frame(self, chunk: dict) -> str:
-        return _event(chunk)
-
-    def closing(self, rid: str, model: str, usage: dict, include_usage: bool) -> list[str]:
+    def closing(self, rid: str, model: str, usage: Usage) -> list[str]:
         delta = {"stop_reason": self.content.stop_reason, "stop_sequence": self.content.stop_sequence}
         # usage counts here are totals (the SDKs overwrite message_start's with them)
         return [
-            _event({"type": "message_delta", "delta": delta, "usage": usage}),
+            _event({"type": "message_delta", "delta": delta, "usage": self.usage(usage)}),
             _event({"type": "message_stop"}),
         ]
 
-    def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
-        return [_event(anthropic_error_body(status, message, param))]
+    def failure(self, rid: str, model: str, failed: Failed, usage: Usage) -> list[str]:
+        return [_event(anthropic_error_body(failed.status, failed.message, failed.param))]
 
     def ping(self) -> str:
         return _event({"type": "ping"})

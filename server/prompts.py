@@ -25,16 +25,16 @@ import copy
 import inspect
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from minivllm.engine.validation import RequestError, check_context_length
 from minivllm.models.tokenizer import Tokenizer
 from server import generic_tools
-from server import protocol as p
+from server.conversation import Role, Turn
 from server.errors import APIError
-from server.tools import conversation
+from server.tools import template_turns
 
 LONG_TEXT_CHARS = (
     1 << 16
@@ -101,6 +101,9 @@ class PromptBuilder:
         self.normalizer = tokenizer.normalizer
         # templates that know no "developer" role would drop such a message: it is the system role renamed
         self.developer_role = "developer" if "developer" in str(tokenizer.chat_template or "") else "system"
+        self.system_anywhere = self._renders_system_anywhere()
+        # a template that switches thinking on and off by a keyword (Qwen3's enable_thinking)
+        self.thinking_switch = "enable_thinking" in str(tokenizer.chat_template or "")
         self.fim = fim_tokens(tokenizer)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-prompts")
         self.long = (
@@ -113,40 +116,69 @@ class PromptBuilder:
             self.long.close()
 
     async def chat(
-        self, messages: list[p.ChatMessage], max_tokens: int | None, tools: list[dict] | None = None
+        self,
+        turns: Sequence[Turn],
+        max_tokens: int | None,
+        tools: list[dict] | None = None,
+        thinking: bool | None = None,
     ) -> list[int]:
         """tools: the request's tools, for the template to render (None: no tools in the prompt); for a
-        template without a tool-call format, the server renders them, and past calls and results, itself."""
-        turns, tools = self._turns(messages, tools)
-        return await self._off_loop(_chars(turns, tools), "_chat_ids", turns, max_tokens, tools)
+        template without a tool-call format, the server renders them, and past calls and results, itself.
+        thinking: on or off, for a template with a thinking switch (None: the template's default)."""
+        dicts, tools = self._turns(turns, tools)
+        chars = _chars(dicts, tools)
+        return await self._off_loop(chars, "_chat_ids", dicts, max_tokens, tools, self._kwargs(thinking))
 
-    def _turns(
-        self, messages: list[p.ChatMessage], tools: list[dict] | None
-    ) -> tuple[list[dict], list[dict] | None]:
-        """The messages as template turns, and the tools for the template (see chat)."""
-        turns = conversation(messages)
-        for turn in turns:
-            if turn["role"] == "developer":
+    def _kwargs(self, thinking: bool | None) -> dict:
+        return {"enable_thinking": thinking} if self.thinking_switch and thinking is not None else {}
+
+    def _turns(self, turns: Sequence[Turn], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+        """The turns as template turns, and the tools for the template (see chat). A system turn after the
+        first stays where it is (a later instruction must not change the prefix of every earlier turn): as
+        a system turn where the template renders one there, otherwise folded into the next user turn."""
+        dicts = template_turns(turns)
+        for turn in dicts:
+            if turn["role"] == Role.DEVELOPER:
                 turn["role"] = self.developer_role
+        if not self.system_anywhere:
+            dicts = _fold_late_system_turns(dicts)
         if not self.tokenizer.has_tool_calling:
-            turns, tools = generic_tools.render(turns, tools), None
-        return turns, tools
+            dicts, tools = generic_tools.render(dicts, tools), None
+        return dicts, tools
+
+    def _renders_system_anywhere(self) -> bool:
+        """Whether the template renders a system turn between user turns (Qwen's do; many raise)."""
+        probe = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "system", "content": "\ue000probe"},
+            {"role": "user", "content": "c"},
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+        except Exception:
+            return False
+        return text.count("\ue000probe") == 1 and text.index("\ue000probe") > text.index("b")
 
     async def message_at(
-        self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], token: int
+        self, turns: Sequence[Turn], tools: list[dict] | None, ids: list[int], token: int
     ) -> int | None:
-        """The index of the message whose templated text holds prompt token `token` (ids: the prompt
-        chat() made of these messages); None if the template cannot render a part of the conversation."""
-        turns, tools = self._turns(messages, tools)
-        return await self._off_loop(_chars(turns, tools), "_message_at", turns, tools, ids, token)
+        """The index of the turn whose templated text holds prompt token `token` (ids: the prompt chat()
+        made of these turns); None if the template cannot render a part of the conversation."""
+        dicts, tools = self._turns(turns, tools)
+        if len(dicts) != len(turns):  # turns folded or merged: no index maps back
+            return None
+        return await self._off_loop(_chars(dicts, tools), "_message_at", dicts, tools, ids, token)
 
     async def message_ends(
-        self, messages: list[p.ChatMessage], tools: list[dict] | None, ids: list[int], ends: list[int]
+        self, turns: Sequence[Turn], tools: list[dict] | None, ids: list[int], ends: list[int]
     ) -> list[int]:
-        """For each k in ends, the prompt tokens before message k (k = len(messages): the whole
-        conversation, less the generation prompt); 0 where the template cannot render a part of it."""
-        turns, tools = self._turns(messages, tools)
-        return await self._off_loop(_chars(turns, tools), "_message_ends", turns, tools, ids, ends)
+        """For each k in ends, the prompt tokens before turn k (k = len(turns): the whole conversation,
+        less the generation prompt); 0 where the template cannot render a part of it."""
+        dicts, tools = self._turns(turns, tools)
+        if len(dicts) != len(turns):
+            return [0] * len(ends)
+        return await self._off_loop(_chars(dicts, tools), "_message_ends", dicts, tools, ids, ends)
 
     async def completion(self, prompt, max_tokens: int | None) -> list[list[int]]:
         """A string, a list of token ids, or a list of either (several prompts)."""
@@ -181,25 +213,25 @@ class PromptBuilder:
 
     # -- on the worker thread ---------------------------------------------------------------------------
     def _chat_ids(
-        self, turns: list[dict], max_tokens: int | None, tools: list[dict] | None = None
+        self, turns: list[dict], max_tokens: int | None, tools: list[dict] | None, kwargs: dict
     ) -> list[int]:
         try:
-            text = self._render(turns, tools)
+            text = self._render(turns, tools, **kwargs)
             self._check_fits(text, max_tokens)
             if not self._holds_control_strings(turns, tools):
                 return self.tokenizer.encode(text, add_special_tokens=False)  # as apply_chat_template does
-            marked = self._render(self._mark(turns), self._mark(tools))
+            marked = self._render(self._mark(turns), self._mark(tools), **kwargs)
             if self._unmark(marked) != text:  # the template rewrote a marked string
-                return self._guarded_ids(turns, tools, marked)
+                return self._guarded_ids(turns, tools, marked, kwargs)
             return self._ids_with_plain_strings(marked)
         except (APIError, RequestError):
             raise
         except Exception as e:  # no template, or one that rejects these messages
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+            raise RequestError(f"cannot apply the chat template: {e}", param="prompt") from None
 
-    def _render(self, turns: list[dict], tools: list[dict] | None) -> str:
+    def _render(self, turns: list[dict], tools: list[dict] | None, **kwargs) -> str:
         return self.tokenizer.apply_chat_template(
-            turns, tools=tools, add_generation_prompt=True, tokenize=False
+            turns, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
         )
 
     # Where messages start: message k starts where the rendering of the first k messages (no generation
@@ -268,17 +300,24 @@ class PromptBuilder:
                 )
         return ids
 
-    def _guarded_ids(self, turns: list[dict], tools: list[dict] | None, marked: str) -> list[int]:
+    def _guarded_ids(
+        self, turns: list[dict], tools: list[dict] | None, marked: str, kwargs: dict
+    ) -> list[int]:
         """For a template that rewrote a marked string: transformers' own guard, close to plain text. It
         leaves dict keys, and strings the template escapes, as they are: refuse a prompt with more control
         tokens than the template wrote itself."""
         ids = self.tokenizer.apply_chat_template(
-            turns, tools=tools, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+            turns,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            sanitize_control_tokens=True,
+            **kwargs,
         )
         ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         controls = set(self.control_ids.values())
         if sum(i in controls for i in ids) > len(self.control_strings.findall(marked)):
-            raise APIError(400, "control tokens in this request cannot be kept as text", param="messages")
+            raise RequestError("control tokens in this request cannot be kept as text", param="prompt")
         return ids
 
     def _completion_ids(self, prompts: list, max_tokens: int | None) -> list[list[int]]:
@@ -375,6 +414,27 @@ class TextOffsets:
             else:
                 hi = mid - 1
         return lo
+
+
+def _fold_late_system_turns(turns: list[dict]) -> list[dict]:
+    """For a template that renders a system turn only first: each later one joins the next user turn (or,
+    with none next, becomes a user turn of its own), in place."""
+    out: list[dict] = []
+    pending: list[str] = []
+    for k, turn in enumerate(turns):
+        if turn["role"] == "system" and k > 0:
+            pending.append(turn["content"])
+            continue
+        if pending and turn["role"] == "user":
+            turn = {**turn, "content": "\n\n".join([*pending, turn["content"]])}
+            pending = []
+        elif pending:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+            pending = []
+        out.append(turn)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
 
 
 def _pieces(text: str, size: int) -> Iterator[str]:

@@ -44,6 +44,7 @@ def _valid_unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 # -- requests -------------------------------------------------------------------------------------------
 
@@ -144,6 +145,9 @@ class ChatMessage(RequestModel):
     name: Text | None = None  # passed to the chat template
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: Text | None = None  # tool messages
+    reasoning_content: Text | None = (
+        None  # an assistant's thinking, sent back (rendered where templates take it)
+    )
     audio: Any = None  # refused
 
     @field_validator("audio")
@@ -213,14 +217,14 @@ class ResponseFormat(RequestModel):
         return self
 
 
-def _refuse(field: str, allowed=(None,)):
-    """A validator that refuses a field unless its value is one of `allowed`."""
+def only(field: str, allowed: tuple = (None,), why: str = "not supported"):
+    """A validator that refuses a field unless its value is one of `allowed` (every protocol's models use
+    it: the 400 names the field, says why, and lists the values it takes)."""
 
     def check(cls, v):
         if v not in allowed:
-            raise ValueError(
-                f"{field} is not supported" + (f" (only {allowed[1:]})" if len(allowed) > 1 else "")
-            )
+            shown = [a for a in allowed if a is not None]
+            raise ValueError(f"{field}: {why}" + (f" (only {', '.join(map(repr, shown))})" if shown else ""))
         return v
 
     return field_validator(field)(classmethod(check))
@@ -246,20 +250,18 @@ class ChatCompletionRequest(GenerationRequest):
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
+    reasoning_effort: str | None = None  # on a model that thinks: none (off) or a bound on its thinking
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint: accepted, without effect here
     service_tier: str | None = None
-    store: bool | None = None
+    store: bool | None = None  # an opt-in to storage the server does not keep: accepted, without effect
 
-    _no_functions = _refuse("functions")
-    _no_function_call = _refuse("function_call")
-    _no_audio = _refuse("audio")
-    _no_prediction = _refuse("prediction")
-    _no_web_search = _refuse("web_search_options")
-    _no_reasoning = _refuse("reasoning_effort")
-    _no_verbosity = _refuse("verbosity")
-    _tier = _refuse("service_tier", (None, "auto", "default"))
-    _no_store = _refuse("store", (None, False))
+    _no_functions = only("functions")
+    _no_function_call = only("function_call")
+    _no_audio = only("audio")
+    _no_prediction = only("prediction")
+    _no_web_search = only("web_search_options")
+    _effort = only("reasoning_effort", (None, *REASONING_EFFORTS))
+    _tier = only("service_tier", (None, "auto", "default"))
 
     @field_validator("modalities")
     @classmethod
@@ -309,7 +311,7 @@ class CompletionRequest(GenerationRequest):
     suffix: Text | None = None
     best_of: int | None = None
 
-    _one_best = _refuse("best_of", (None, 1))
+    _one_best = only("best_of", (None, 1))
 
 
 # -- responses ------------------------------------------------------------------------------------------
@@ -319,11 +321,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails = CompletionTokensDetails()
 
 
 class TopLogprob(BaseModel):
@@ -354,6 +361,7 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
 
@@ -391,6 +399,7 @@ class DeltaToolCall(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

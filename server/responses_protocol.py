@@ -1,10 +1,12 @@
 """OpenAI Responses API request and response models (the subset minivllm serves; docs/api-responses.md).
 
 The server is stateless: nothing is stored, so `store: true`, `previous_response_id`, `conversation` and
-`background` are refused. Every other field is honoured or refused with a 400 naming it, as in
-server.protocol, whose sampling fields (and their extensions: top_k, seed, stop, ...) this request shares.
-Built-in tools (web_search, local_shell, custom, ...) are skipped: agents such as Codex CLI always send some,
-and the model can only call functions here.
+`background` are refused. A field that changes the answer is honoured or refused with a 400 naming it, as in
+server.protocol, whose sampling fields (and their extensions: top_k, seed, stop, ...) this request shares; a
+hint (reasoning on a model that does not reason, client_metadata, prompt_cache_key, ...) is accepted and
+named in the x-minivllm-ignored header. Function tools and `namespace` groups of them are offered to the
+model; built-in tools (web_search, local_shell, custom, ...) are skipped: agents such as Codex CLI always send
+some, and the model can only call functions here (forcing one is a 400).
 """
 
 import re
@@ -15,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, Field, field_validator, model_va
 
 from server import protocol as p
 from server.protocol import FUNCTION_NAME, GenerationRequest, RequestModel, Text
+from server.protocol import only as _only
 
 # the tool types OpenAI runs itself, or whose calls are items other than function_call: left out of the
 # prompt (the model cannot call them here); a type not in this list is a 400
@@ -34,11 +37,10 @@ BUILT_IN_TOOLS = (
     "shell",
     "apply_patch",
     "custom",
-    "namespace",
     "tool_search",
     "programmatic_tool_calling",
 )
-INCLUDABLE = ("reasoning.encrypted_content",)  # there are no reasoning items, so none of their content
+INCLUDABLE = ("reasoning.encrypted_content",)  # reasoning items carry their thinking, sealed
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 
 
@@ -60,17 +62,6 @@ def _valid_unicode_json(value):
 
 
 EchoedJson = Annotated[dict, AfterValidator(_valid_unicode_json)]
-
-
-def _only(field: str, allowed: tuple, why: str):
-    """A validator that refuses a field unless its value is one of `allowed`."""
-
-    def check(cls, v):
-        if v not in allowed:
-            raise ValueError(f"{field}: {why}")
-        return v
-
-    return field_validator(field)(classmethod(check))
 
 
 # -- input items --------------------------------------------------------------------------------------------
@@ -109,6 +100,7 @@ class FunctionCallItem(p.FunctionCall):
 
     type: Literal["function_call"]
     call_id: Text
+    namespace: Text | None = None  # the call of a function in a namespace tool
 
 
 class FunctionCallOutputItem(RequestModel):
@@ -125,10 +117,19 @@ class FunctionCallOutputItem(RequestModel):
         return "".join(c.text for c in self.output)
 
 
+class ReasoningText(RequestModel):
+    type: str
+    text: Text = ""
+
+
 class ReasoningItem(RequestModel):
-    """Another model's reasoning, in a history sent back: not rendered (this model does not reason)."""
+    """Reasoning in a history sent back: this server's (encrypted_content, which carries it) is rendered
+    as the next assistant turn's thinking; another model's is left out."""
 
     type: Literal["reasoning"]
+    encrypted_content: Text | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
 
 
 InputItem = Annotated[
@@ -139,7 +140,8 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 # -- tools, text format, reasoning --------------------------------------------------------------------------
 class ResponsesTool(RequestModel):
-    """A function tool (honoured) or a built-in one (skipped)."""
+    """A function tool (honoured), a namespace of function tools (honoured: the model sees them as
+    `namespace.name`), or a built-in one (skipped)."""
 
     type: str
     name: str | None = None
@@ -147,30 +149,34 @@ class ResponsesTool(RequestModel):
     parameters: EchoedJson | None = None  # a JSON schema; absent: no parameters
     strict: bool | None = None  # calls forced by tool_choice always follow the schema
     defer_loading: bool | None = None  # a tool loaded on demand, through tool search: refused
+    tools: list["ResponsesTool"] | None = None  # a namespace's functions
 
     @field_validator("type")
     @classmethod
     def _a_known_type(cls, v):
-        if v not in ("function", *BUILT_IN_TOOLS):
+        if v not in ("function", "namespace", *BUILT_IN_TOOLS):
             raise ValueError(f"tools of type {v!r} are not supported (function, or a built-in tool: skipped)")
         return v
 
     @model_validator(mode="after")
     def _a_named_function(self):
-        if self.type == "function":
+        if self.type in ("function", "namespace"):
             if self.name is None or not re.fullmatch(FUNCTION_NAME, self.name):
-                raise ValueError(f"a function tool needs a name matching {FUNCTION_NAME}")
+                raise ValueError(f"a {self.type} tool needs a name matching {FUNCTION_NAME}")
             if self.defer_loading:
                 raise ValueError("defer_loading is not supported (no tool search)")
+        if self.type == "namespace" and any(t.type != "function" for t in self.tools or ()):
+            raise ValueError("a namespace holds function tools only")
         return self
 
-    def chat_tool(self) -> p.Tool:
-        fn = p.FunctionDefinition(
-            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict
-        )
-        return p.Tool(type="function", function=fn)
-
     def echo(self) -> dict:
+        if self.type == "namespace":
+            return {
+                "type": "namespace",
+                "name": self.name,
+                "description": self.description,
+                "tools": [t.echo() for t in self.tools or ()],
+            }
         return {
             "type": "function",
             "name": self.name,
@@ -198,13 +204,6 @@ class TextFormat(RequestModel):
             raise ValueError("type json_schema needs name and schema")
         return self
 
-    def response_format(self) -> p.ResponseFormat:
-        """As chat's response_format, for the grammar (server.structured)."""
-        schema = None
-        if self.type == "json_schema":
-            schema = p.JsonSchemaFormat(name=self.name, schema=self.schema_, strict=self.strict)
-        return p.ResponseFormat(type=self.type, json_schema=schema)
-
     def echo(self) -> dict:
         if self.type != "json_schema":
             return {"type": self.type}
@@ -219,25 +218,16 @@ class TextFormat(RequestModel):
 
 class TextConfig(RequestModel):
     format: TextFormat | None = None
-    verbosity: Any = None
-
-    _no_verbosity = _only("verbosity", (None,), "verbosity is not supported")
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint: accepted, without effect here
 
 
 class ReasoningConfig(RequestModel):
-    """This model does not reason: no effort but "none", no summary."""
+    """On a model that thinks: effort "none" turns thinking off, the others bound it; summary asks for
+    the reasoning in summary parts. On one that does not: accepted, without effect."""
 
-    effort: str | None = None
-    summary: Any = None
-    generate_summary: Any = None
-    context: Any = None
-    mode: Any = None
-
-    _effort = _only("effort", (None, "none"), 'this model does not reason: only "none" (or no reasoning)')
-    _summary = _only("summary", (None,), "this model does not reason: no summary")
-    _generate_summary = _only("generate_summary", (None,), "this model does not reason: no summary")
-    _context = _only("context", (None,), "this model does not reason: no reasoning context")
-    _mode = _only("mode", (None,), "this model does not reason: no reasoning mode")
+    effort: Literal[p.REASONING_EFFORTS] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's old name
 
 
 class ResponsesStreamOptions(RequestModel):
@@ -262,8 +252,9 @@ class ResponsesRequest(GenerationRequest):
     include: list[str] | None = None
     stream_options: ResponsesStreamOptions | None = None
     metadata: dict[Text, Text] | None = None  # echoed in the response
+    client_metadata: dict | None = None  # telemetry (Codex's): accepted, without effect
     safety_identifier: Text | None = None  # no effect on the output, as at OpenAI
-    prompt_cache_key: Text | None = None  # the prefix cache needs no key
+    prompt_cache_key: Text | None = None  # a cache-affinity hint: the prefix cache needs no key
     prompt_cache_retention: str | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # bounds built-in tool calls: none are made here
     top_logprobs: int | None = None
@@ -291,14 +282,14 @@ class ResponsesRequest(GenerationRequest):
     _no_background = _only("background", (None, False), "background responses are not supported")
     _no_prompt = _only("prompt", (None,), "stored prompt templates are not supported")
     _no_cache_options = _only("prompt_cache_options", (None,), "the prefix cache is implicit: no options")
-    _retention = _only("prompt_cache_retention", (None, "in_memory"), 'only "in_memory"')
+    _retention = _only("prompt_cache_retention", (None, "in_memory"), "pages stay in memory")
     _no_context_management = _only("context_management", (None,), "context management is not supported")
     _no_moderation = _only("moderation", (None,), "moderation is not supported")
     _no_access_programs = _only("access_programs", (None,), "access programs are not supported")
     _no_background_options = _only("background_options", (None,), "background responses are not supported")
     _no_image = _only("image", (None,), "images are not supported")
-    _tier = _only("service_tier", (None, "auto", "default"), 'only "auto" or "default"')
-    _truncation = _only("truncation", (None, "disabled"), 'only "disabled" (an input too long is a 400)')
+    _tier = _only("service_tier", (None, "auto", "default"), "one tier")
+    _truncation = _only("truncation", (None, "disabled"), "an input too long is a 400")
     _no_logprobs = _only("top_logprobs", (None, 0), "logprobs are not supported on /v1/responses")
     _no_max_tokens = _only("max_tokens", (None,), "not a Responses field: use max_output_tokens")
     _one = _only("n", (1,), "one response per request")
@@ -362,7 +353,8 @@ class ResponsesRequest(GenerationRequest):
 
     @property
     def function_tools(self) -> list[ResponsesTool]:
-        return [t for t in self.tools or () if t.type == "function"]
+        """The tools offered to the model: functions and namespaces of them (built-in tools are not)."""
+        return [t for t in self.tools or () if t.type in ("function", "namespace")]
 
     @property
     def text_format(self) -> TextFormat | None:
@@ -391,6 +383,26 @@ class OutputFunctionCall(BaseModel):
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None
+
+
+class SummaryText(BaseModel):
+    type: Literal["summary_text"] = "summary_text"
+    text: str
+
+
+class ReasoningPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[SummaryText] = []
+    content: list[ReasoningPart] = []
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class InputTokensDetails(BaseModel):
@@ -408,18 +420,6 @@ class ResponseUsage(BaseModel):
     output_tokens: int
     output_tokens_details: OutputTokensDetails = OutputTokensDetails()
     total_tokens: int
-
-    @classmethod
-    def of(cls, usage: dict) -> "ResponseUsage":
-        """From the serving core's usage (chat's names)."""
-        return cls(
-            input_tokens=usage["prompt_tokens"],
-            input_tokens_details=InputTokensDetails(
-                cached_tokens=usage["prompt_tokens_details"]["cached_tokens"]
-            ),
-            output_tokens=usage["completion_tokens"],
-            total_tokens=usage["total_tokens"],
-        )
 
 
 class ResponseError(BaseModel):
@@ -440,7 +440,7 @@ class ResponseObject(BaseModel):
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
-    output: list[OutputMessage | OutputFunctionCall] = []
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
     usage: ResponseUsage | None = None
     # the request's settings, echoed as OpenAI does
     instructions: str | None = None

@@ -254,6 +254,15 @@ OPTIONS: tuple[Option, ...] = (
         "bytes of request bodies in flight at once, K/M/G suffixes allowed; past it requests get HTTP 429",
     ),
     Option(
+        "max_output_tokens",
+        "MINIVLLM_MAX_OUTPUT_TOKENS",
+        int | None,
+        _parse_int,
+        None,
+        "most tokens any answer may have (like llama.cpp's --n-predict): a request asking more, or naming no "
+        "limit, stops there (default: the room the context leaves)",
+    ),
+    Option(
         "prompt_lanes",
         "MINIVLLM_PROMPT_LANES",
         bool,
@@ -346,6 +355,8 @@ class Settings(_SettingsFields):
             raise SettingsError(f"MINIVLLM_MODEL_NAME: {len(names)} names for {len(self.models)} models")
         if len(set(names)) != len(names) or not all(names):
             raise SettingsError(f"MINIVLLM_MODEL_NAME: served model ids must be distinct, got {list(names)}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise SettingsError(f"MINIVLLM_MAX_OUTPUT_TOKENS: must be >= 1, got {self.max_output_tokens}")
         if self.max_connections < 1:
             raise SettingsError(f"MINIVLLM_MAX_CONNECTIONS: must be >= 1, got {self.max_connections}")
         if not self.header_timeout > 0:

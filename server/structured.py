@@ -7,30 +7,16 @@ import json
 
 from minivllm.engine.grammar import JSON_OPTIONS
 from minivllm.engine.sampling_params import StructuredOutput
-from server import protocol as p
+from server.conversation import Conversation
 from server.errors import APIError
 from server.tools import ToolCalling
 
 
-def chat_output(body: p.ChatCompletionRequest, calling: ToolCalling | None) -> StructuredOutput | None:
-    return format_grammar(body.response_format, calling, "response_format")
-
-
-def format_grammar(
-    fmt: p.ResponseFormat | None, calling: ToolCalling | None, field: str
-) -> StructuredOutput | None:
-    """An OpenAI response_format (chat's, or the Responses API's text.format) and tools; field: the
-    request field that carries fmt (for errors)."""
-    json_wanted = fmt is not None and fmt.type != "text"
-    schema = fmt.json_schema.schema_ if json_wanted and fmt.type == "json_schema" else None
-    return output_grammar(json_wanted, schema, calling, field)
-
-
-def output_grammar(
-    json_wanted: bool, schema: dict | None, calling: ToolCalling | None, format_param: str
-) -> StructuredOutput | None:
-    """Any protocol's answer format (JSON valid against schema, or any JSON object when schema is None) and
-    tools; format_param names the request's answer-format field."""
+def output_grammar(conv: Conversation, calling: ToolCalling | None) -> StructuredOutput | None:
+    """The conversation's answer format (JSON valid against a schema, or any JSON object) and tools."""
+    json_wanted = conv.output is not None
+    schema = conv.output.schema if conv.output else None
+    format_param = conv.name("output")
     if calling is not None and calling.forced:
         if json_wanted:
             raise APIError(

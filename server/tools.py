@@ -12,46 +12,50 @@ marker that is an added token (Qwen's two are) is that token in a forced call's 
 import json
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minivllm.engine.grammar import JSON_OPTIONS
 from server import generic_tools
-from server import protocol as p
+from server.conversation import ChoiceMode, Conversation, ToolCall, ToolSpec, Turn
 from server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
 
 # -- the prompt ---------------------------------------------------------------------------------------------
-def conversation(messages: list[p.ChatMessage]) -> list[dict]:
-    """Messages as chat templates expect them: tool-call arguments as objects (Qwen2.5's template writes
-    them with `tojson`), tool results with the id of the call they answer."""
+def template_turns(turns: Sequence[Turn]) -> list[dict]:
+    """Turns as chat templates expect them: tool-call arguments as objects (Qwen2.5's template writes
+    them with `tojson`), tool results with the id of the call they answer, past reasoning as
+    `reasoning_content` (where Qwen3's and similar templates look for it)."""
     out = []
-    for m in messages:
-        message = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            message["name"] = m.name
-        if m.tool_calls:
+    for t in turns:
+        message = {"role": t.role.value, "content": t.text}
+        if t.name is not None:
+            message["name"] = t.name
+        if t.thinking:
+            message["reasoning_content"] = t.thinking
+        if t.tool_calls:
             message["tool_calls"] = [
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+                    "function": {"name": c.qualified_name, "arguments": json.loads(c.arguments)},
                 }
-                for c in m.tool_calls
+                for c in t.tool_calls
             ]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
+        if t.tool_call_id is not None:
+            message["tool_call_id"] = t.tool_call_id
         out.append(message)
     return out
 
 
 @dataclass
 class ToolCalling:
-    """A chat request's tools and what it asked of them, with the model's call format."""
+    """A request's tools and what it asked of them, with the model's call format."""
 
-    tools: list[p.Tool]
-    choice: str  # "auto", "required", or the name of the function that must be called
+    tools: tuple[ToolSpec, ...]
+    choice: str  # "auto", "required", or the qualified name of the function that must be called
     parallel: bool
     start: str
     end: str
@@ -61,57 +65,34 @@ class ToolCalling:
     end_token: int | None = None
 
     @classmethod
-    def of(cls, body: p.ChatCompletionRequest, tokenizer) -> "ToolCalling | None":
-        """A chat request's tools; None when it uses none (none given, or tool_choice "none")."""
-        choice = body.tool_choice
-        if isinstance(choice, p.NamedToolChoice):
-            choice = choice.function
-        text_answer = body.response_format is None or body.response_format.type == "text"
-        calling = cls.build(body.tools or [], choice, body.parallel_tool_calls, tokenizer, text_answer)
-        if calling is not None and body.logprobs:
-            raise APIError(400, "logprobs are not supported together with tools", param="logprobs")
-        return calling
-
-    @classmethod
-    def build(
-        cls,
-        tools: list[p.Tool],
-        choice: str | p.NamedFunction | None,
-        parallel: bool,
-        tokenizer,
-        text_answer: bool = True,
-    ) -> "ToolCalling | None":
-        """Any protocol's tools (as function tools: name, description, parameters) and its choice: None or
-        "auto", "none", "required" (some call), or the function to call. None when no tool is used.
-        text_answer: no JSON answer format competes with a bare call (see parse_bare)."""
-        names = [t.function.name for t in tools]
+    def of(cls, conv: Conversation, tokenizer) -> "ToolCalling | None":
+        """The conversation's tools and tool choice, checked (the one place for every protocol); None when
+        no tool is used (none given, or the choice is none)."""
+        tools, choice = conv.tools, conv.tool_choice
+        names = [t.qualified_name for t in tools]
         if len(set(names)) != len(names):
-            raise APIError(400, "tool names must be unique", param="tools")
-        if choice not in (None, "none", "auto") and not names:
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        used = bool(tools) and choice != "none"
-        if isinstance(choice, p.NamedFunction):
-            if choice.name not in names:
-                raise APIError(400, f"no tool named {choice.name!r} in tools", param="tool_choice")
-            choice = choice.name
-        if not used:
+            raise APIError(400, "tool names must be unique", param=conv.name("tools"))
+        if choice.mode in (ChoiceMode.REQUIRED, ChoiceMode.NAMED) and not names:
+            raise APIError(400, "tool_choice needs tools", param=conv.name("tool_choice"))
+        if choice.mode == ChoiceMode.NAMED and choice.name not in names:
+            raise APIError(400, f"no tool named {choice.name!r} in tools", param=conv.name("tool_choice"))
+        if not tools or choice.mode == ChoiceMode.NONE:
             return None
-        return cls.of_functions(
-            tools, choice or "auto", parallel, choice in (None, "auto") and text_answer, tokenizer
-        )
+        named = choice.name if choice.mode == ChoiceMode.NAMED else choice.mode.value
+        bare = choice.mode == ChoiceMode.AUTO and conv.output is None
+        return cls.of_functions(tools, named, conv.parallel_tool_calls, bare, tokenizer)
 
     @classmethod
     def of_functions(
-        cls, tools: list[p.Tool], choice: str, parallel: bool, bare_calls: bool, tokenizer
+        cls, tools: Sequence[ToolSpec], choice: str, parallel: bool, bare_calls: bool, tokenizer
     ) -> "ToolCalling":
-        """Checked tools in the model's call format, or the generic one (server.generic_tools) for a
-        template without one: choice is "auto", "required" or the name of one of them (build checks a chat
-        request's; server.responses checks its own)."""
+        """Tools in the model's call format, or the generic one (server.generic_tools) for a template without
+        one: choice is "auto", "required" or the qualified name of one of them."""
         own = tokenizer.has_tool_calling
         start = tokenizer.tool_call_start if own else generic_tools.START
         end = tokenizer.tool_call_end if own else generic_tools.END
         return cls(
-            tools=tools,
+            tools=tuple(tools),
             choice=choice,
             parallel=parallel,
             start=start,
@@ -127,24 +108,24 @@ class ToolCalling:
         return self.choice != "auto"
 
     def template_tools(self) -> list[dict]:
-        return [t.model_dump(exclude_none=True) for t in self.tools]
+        return [t.template_dict() for t in self.tools]
 
     # -- the grammar of a call ------------------------------------------------------------------------
     def call_grammar(self) -> str:
         """Lark rules (llguidance's dialect) for one call block whose JSON follows a function's schema:
         the forced one, or any of the tools'. `call` is the rule to use."""
         names = [self.choice] if self.forced and self.choice != "required" else None
-        schemas = [_call_schema(t.function) for t in self.tools if names is None or t.function.name in names]
+        schemas = [_call_schema(t) for t in self.tools if names is None or t.qualified_name in names]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         body["x-guidance"] = JSON_OPTIONS
         start, end = _lark_marker(self.start, self.start_token), _lark_marker(self.end, self.end_token)
         return f'call: {start} "\\n" %json {json.dumps(body)} "\\n" {end}\n'
 
     # -- the output -----------------------------------------------------------------------------------
-    def parse(self, block: str) -> dict | None:
-        """One call block's text -> an OpenAI tool call, or None if it does not parse."""
+    def parse(self, block: str) -> ToolCall | None:
+        """One call block's text -> a tool call, or None if it does not parse."""
         try:
-            call = self.parser(block, [t.model_dump() for t in self.tools])
+            call = self.parser(block, self.template_tools())
         except Exception as e:  # the model's text is whatever it wrote
             logger.info("unparsable tool call %r: %s", block[:200], e)
             return None
@@ -153,13 +134,11 @@ class ToolCalling:
         arguments = call.get("arguments", {})
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        return {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": call["name"], "arguments": arguments},
-        }
+        spec = next((t for t in self.tools if t.qualified_name == call["name"]), None)
+        namespace, name = (spec.namespace, spec.name) if spec else (None, call["name"])
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments, namespace)
 
-    def parse_bare(self, text: str) -> dict | None:
+    def parse_bare(self, text: str) -> ToolCall | None:
         """A whole answer that is one call's JSON without the markers, bare or in a ```json fence, as
         small models (Qwen2.5-Coder-0.5B among them) often answer a tool request: a call if it names one
         of the request's tools."""
@@ -169,8 +148,8 @@ class ToolCalling:
                 return None
             body = body[len(FENCE) : -3]
         call = self.parse(body)
-        names = {t.function.name for t in self.tools}
-        return call if call is not None and call["function"]["name"] in names else None
+        names = {t.qualified_name for t in self.tools}
+        return call if call is not None and call.qualified_name in names else None
 
 
 FENCE = "```json"
@@ -187,11 +166,11 @@ def _lark_marker(marker: str, token: int | None) -> str:
     return json.dumps(marker) if token is None else f"<[{token}]>"
 
 
-def _call_schema(fn: p.FunctionDefinition) -> dict:
-    parameters = fn.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
+def _call_schema(tool: ToolSpec) -> dict:
+    parameters = tool.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
     return {
         "type": "object",
-        "properties": {"name": {"const": fn.name}, "arguments": parameters},
+        "properties": {"name": {"const": tool.qualified_name}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -210,11 +189,11 @@ class ToolCallStream:
     in_call: bool = False
     pending_space: str = ""  # whitespace held until more content follows it
     content_started: bool = False
-    calls: list[dict] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     held: str = ""  # content that may be a bare call
     undecided: bool = True  # whether the answer may still be a bare call
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """New text in; the content to release and the calls completed by it out."""
         self.buffer += text
         content, calls = [], []
@@ -223,7 +202,7 @@ class ToolCallStream:
             if not self.in_call:
                 i = self.buffer.find(start)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, start)
+                    keep = 0 if final else partial_suffix(self.buffer, start)
                     content.append(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
@@ -253,7 +232,7 @@ class ToolCallStream:
                 calls.append(bare)
         return self._trim(text, final), calls
 
-    def _hold_bare_call(self, text: str, final: bool) -> tuple[str, dict | None]:
+    def _hold_bare_call(self, text: str, final: bool) -> tuple[str, ToolCall | None]:
         self.held += text
         head = self.held.lstrip()
         if self.calls or (head and not _may_be_bare_call(head)):
@@ -277,23 +256,7 @@ class ToolCallStream:
         return stripped
 
 
-def call_deltas(calls: list[dict], first_index: int) -> list[p.ChatDelta]:
-    """Calls as OpenAI streams them: per call, its id and name (arguments empty), then its arguments."""
-    deltas = []
-    for index, call in enumerate(calls, first_index):
-        fn = call["function"]
-        header = p.DeltaFunctionCall(name=fn["name"], arguments="")
-        arguments = p.DeltaFunctionCall(arguments=fn["arguments"])
-        deltas.append(
-            p.ChatDelta(
-                tool_calls=[p.DeltaToolCall(index=index, id=call["id"], type="function", function=header)]
-            )
-        )
-        deltas.append(p.ChatDelta(tool_calls=[p.DeltaToolCall(index=index, function=arguments)]))
-    return deltas
-
-
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-k:]):

@@ -387,8 +387,7 @@ TEXT_PARTS = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url":
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
-        ({"store": True}, "store"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"service_tier": "flex"}, "service_tier"),
         ({"messages": [{"role": "user", "content": TEXT_PARTS}]}, "messages.0.content"),
         ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages.0.role"),
@@ -506,11 +505,12 @@ def test_model_by_id(server, client):
 def _calling(choice: str = "auto"):
     from mlx_lm.tool_parsers import json_tools
 
+    from server.chat import _tool
     from server.protocol import Tool
     from server.tools import ToolCalling
 
     return ToolCalling(
-        tools=[Tool.model_validate(GET_WEATHER), Tool.model_validate(GET_TIME)],
+        tools=(_tool(Tool.model_validate(GET_WEATHER)), _tool(Tool.model_validate(GET_TIME))),
         choice=choice,
         parallel=True,
         start=json_tools.tool_call_start,
@@ -548,8 +548,8 @@ def test_tool_calls_are_read_from_the_text_piece_by_piece(text):
     released, calls = _feed_in_pieces(text)
     assert "".join(released) == ""
     (call,) = calls
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius", "days": 2}
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius", "days": 2}
 
 
 def test_text_around_and_between_calls_is_content():
@@ -557,7 +557,7 @@ def test_text_around_and_between_calls_is_content():
     text = f"Let me check.\n<tool_call>\n{CALL_JSON}\n</tool_call>\n<tool_call>\n{other}\n</tool_call>"
     released, calls = _feed_in_pieces(text)
     assert "".join(released) == "Let me check."
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
 
 
 def test_what_is_not_a_call_stays_content_and_streams_early():
