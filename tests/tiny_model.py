@@ -1,6 +1,7 @@
 """Build small random Qwen2 and Llama models in mlx-lm layout, offline, for tests and benchmark smoke runs."""
 
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +35,18 @@ CHAT_TEMPLATE = (
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# ChatML with Qwen3's thinking: <think> blocks, a history's reasoning_content rendered back, and the
+# enable_thinking switch; the generation prompt opens the thinking (as Qwen3's 2507 thinking models' do)
+THINK_TOKENS = ["<think>", "</think>"]
+THINKING_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' and message.reasoning_content %}"
+    "<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
 )
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
@@ -213,7 +226,14 @@ FAMILY_OPTIONS = {
 
 
 def make_tiny_family_model(
-    path: str | Path, model_type: str, *, seed: int = 0, vocab_size: int = 362, **config
+    path: str | Path,
+    model_type: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 362,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+    **config,
 ):
     """A random model of any family mlx-lm implements, built with mlx-lm's own class for model_type, with
     TINY_FAMILY_CONFIG overridden by `config` (a family's own options: q/k norms come with qwen3, experts
@@ -221,7 +241,8 @@ def make_tiny_family_model(
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
-    tok = write_tokenizer(path, build_tokenizer(vocab_size), model_max_length=4096)
+    tokenizer = build_tokenizer(vocab_size, special_tokens)
+    tok = write_tokenizer(path, tokenizer, model_max_length=4096, chat_template=chat_template)
     config = {
         "model_type": model_type,
         **TINY_FAMILY_CONFIG,
@@ -235,6 +256,18 @@ def make_tiny_family_model(
     mx.random.seed(seed)
     save_random_weights(model_class(args_class.from_dict(config)), path)
     return path
+
+
+def make_tiny_thinking_model(path: str | Path, seed: int = 0) -> Path:
+    """A random Qwen3 model that thinks: <think> tokens, and a template that opens its thinking."""
+    return make_tiny_family_model(
+        path,
+        "qwen3",
+        seed=seed,
+        special_tokens=[*SPECIAL_TOKENS, *THINK_TOKENS],
+        chat_template=THINKING_CHAT_TEMPLATE,
+        **FAMILY_OPTIONS["qwen3"],
+    )
 
 
 def write_tokenizer(
@@ -278,3 +311,51 @@ def make_tiny_4bit_model(src: str | Path, dst: str | Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (dst / name).write_bytes((src / name).read_bytes())
     return dst
+
+
+def make_tiny_qwen_tokenizer_model(
+    path: str | Path, tokenizer_dir: str | Path, context: int = 32768, end_probability: float = 0.15
+) -> Path:
+    """A random 2-layer Qwen2 with a real model's tokenizer and chat template (tokenizer_dir: the default
+    model's) and its context: coding agents' 10-12k-token prompts fit and prefill in seconds. A random model
+    never ends its answer by itself; this one, sampled, ends each token with about end_probability (its
+    answers average 1 / end_probability tokens): every embedding carries a constant in dimension 0, which the
+    final norm keeps, and only the end-of-sequence row of the output layer reads it."""
+    path, tokenizer_dir = Path(path), Path(tokenizer_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    source = json.loads((tokenizer_dir / "config.json").read_text())
+    hidden, vocab, eos = 64, source["vocab_size"], source["eos_token_id"]
+    config = {
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": context,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos,
+        "bos_token_id": source.get("bos_token_id"),
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(0)
+    params = dict(tree_flatten(qwen2.Model(qwen2.ModelArgs.from_dict(config)).parameters()))
+    for name in params:  # the layers write little into the residual stream: dimension 0 stays the largest
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            params[name] = params[name] * 0.01
+    embed = params["model.embed_tokens.weight"]
+    params["model.embed_tokens.weight"] = mx.concatenate([mx.full((vocab, 1), 4.0), embed[:, 1:] * 0.1], axis=1)
+    # after the norm, dimension 0 is about sqrt(hidden); the end token's logit b * sqrt(hidden) against
+    # vocab - 1 others near 0 gives it the probability asked for
+    b = math.log(end_probability / (1 - end_probability) * (vocab - 1)) / math.sqrt(hidden)
+    head = params["lm_head.weight"]
+    column = mx.zeros((vocab, 1)).at[eos, 0].add(b)
+    params["lm_head.weight"] = mx.concatenate([column, head[:, 1:]], axis=1)
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    return path

@@ -1,0 +1,179 @@
+"""The real coding agents, as installed from npm (pinned in tests/agents/package.json), headless against
+`minivllm serve`, configured exactly as `minivllm launch` configures them: every request of a two-turn
+session 2xx, the client exits 0 with its answer printed, and the second turn restores its prompt from the
+prefix cache.
+
+The model is a tiny random Qwen2 with the real Qwen tokenizer and chat template and a 32k context
+(tests.tiny_model.make_tiny_qwen_tokenizer_model), so the clients' 8-12k-token prompts fit and prefill in
+seconds. `.ci/run` installs the clients (`npm install` in tests/agents) and sets MINIVLLM_AGENT_TESTS=required,
+so that there a missing client fails instead of skipping.
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server import launch
+from tests.tiny_model import make_tiny_qwen_tokenizer_model
+
+AGENTS = Path(__file__).parent / "agents" / "node_modules"
+MODEL = "qwen-tiny"
+CLIENT_TIMEOUT_S = 300
+TASK = "Create a file hello.py that prints hello"
+FOLLOW_UP = "Now print it"
+# the client's executable by (name, version): the npm aliases of tests/agents/package.json
+EXECUTABLES = {
+    ("claude", "2.1.328"): ["claude-code-2.1.328/bin/claude.exe"],
+    ("claude", "2.1.332"): ["claude-code-2.1.332/bin/claude.exe"],
+    ("codex", "0.169.0"): ["node", "codex-0.169.0/bin/codex.js"],
+    ("codex", "0.171.0"): ["node", "codex-0.171.0/bin/codex.js"],
+    ("opencode", "1.18.33"): ["opencode-ai/bin/opencode.exe"],
+}
+
+
+def _executable(name: str, version: str) -> list[str]:
+    parts = EXECUTABLES[(name, version)]
+    path = AGENTS / parts[-1]
+    if not path.exists() or (parts[0] == "node" and shutil.which("node") is None):
+        if os.environ.get("MINIVLLM_AGENT_TESTS") == "required":
+            pytest.fail(f"{name} {version} is not installed in {AGENTS} (npm install in tests/agents)")
+        pytest.skip(f"{name} {version} is not installed (npm install in tests/agents)")
+    return [*parts[:-1], str(path)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`minivllm serve` on the tiny Qwen-tokenizer model."""
+    from minivllm.models.default_model import default_model_dir
+
+    model = make_tiny_qwen_tokenizer_model(tmp_path_factory.mktemp("tiny-qwen"), default_model_dir())
+    port = _free_port()
+    env = {
+        **os.environ,
+        "MINIVLLM_MODEL": str(model),
+        "MINIVLLM_MODEL_NAME": MODEL,
+        "MINIVLLM_KV_CACHE_BYTES": str(64 << 20),
+        "MINIVLLM_MAX_OUTPUT_TOKENS": "64",  # a bound: the random model ends most answers in a few tokens
+    }
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    argv = [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        launch.wait_healthy(url, proc, timeout=300)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _statuses(url: str) -> dict[tuple[str, str], float]:
+    """minivllm_http_requests_total by (endpoint, status)."""
+    text = httpx.get(f"{url}/metrics").text
+    pattern = r'minivllm_http_requests_total\{endpoint="([^"]*)",status="(\d+)"\} ([0-9.e+]+)'
+    return {(e, s): float(n) for e, s, n in re.findall(pattern, text)}
+
+
+def _since(before: dict, after: dict) -> dict[tuple[str, str], float]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
+def _session(url: str, name: str, version: str, turns: list[list[str]], tmp_path: Path) -> list[str]:
+    """Run the client's turns in one throwaway home and working folder, configured as `minivllm launch`
+    does; each turn must exit 0. Returns each turn's stdout."""
+    executable = _executable(name, version)
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    served = launch.served_model(url, "unused")
+    outputs = []
+    for args in turns:
+        invocation = launch.CLIENTS[name].configure(served, args, tmp_path)
+        argv = [*executable, *invocation.argv[1:]]
+        env = {**os.environ, "HOME": str(home), **invocation.env}
+        done = subprocess.run(
+            argv,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CLIENT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 0, (
+            f"{name} {version} {args}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
+        outputs.append(done.stdout)
+    return outputs
+
+
+def _last_report(url: str, endpoint: str) -> dict:
+    reports = [r for r in httpx.get(f"{url}/v1/cache/explain").json()["data"] if r["endpoint"] == endpoint]
+    return reports[-1]
+
+
+def _check(url: str, before: dict, endpoint: str, outputs: list[str]) -> None:
+    requests = _since(before, _statuses(url))
+    assert requests and all(status.startswith("2") for _, status in requests), requests
+    assert requests.get((endpoint, "200"), 0) >= len(outputs), requests
+    assert all(out.strip() for out in outputs), outputs  # each turn printed its answer
+    last = _last_report(url, endpoint)  # the second turn's prompt came back from the prefix cache
+    assert last["restored_tokens"] >= 0.95 * last["prompt_tokens"], last
+
+
+@pytest.mark.parametrize("version", ["2.1.328", "2.1.332"])
+def test_claude_code_completes_a_session(server, version, tmp_path):
+    before = _statuses(server)
+    outputs = _session(server, "claude", version, [["-p", TASK], ["-p", "-c", FOLLOW_UP]], tmp_path)
+    _check(server, before, "/v1/messages", outputs)
+
+
+@pytest.mark.parametrize("version", ["0.169.0", "0.171.0"])
+def test_codex_completes_a_session(server, version, tmp_path):
+    before = _statuses(server)
+    first = ["exec", "--skip-git-repo-check", TASK]
+    resume = ["exec", "--skip-git-repo-check", "resume", "--last", FOLLOW_UP]
+    outputs = _session(server, "codex", version, [first, resume], tmp_path)
+    _check(server, before, "/v1/responses", outputs)
+
+
+def test_opencode_completes_a_session_on_chat_completions(server, tmp_path):
+    """opencode's defaults ask max_tokens 32000 beside a ~7k-token prompt on a 32k context: clamped."""
+    before = _statuses(server)
+    outputs = _session(server, "opencode", "1.18.33", [["run", TASK], ["run", "-c", FOLLOW_UP]], tmp_path)
+    _check(server, before, "/v1/chat/completions", outputs)
+
+
+def test_launch_names_the_install_command_for_a_missing_client(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert launch.launch_main(["codex", "exec", "hi"]) == 127
+    assert "npm install -g @openai/codex" in capsys.readouterr().err
+
+
+def test_launch_uses_a_running_server_and_passes_the_arguments_through(server, tmp_path, monkeypatch):
+    """`minivllm launch claude ...` with claude on the PATH: the user's arguments reach it, and its
+    settings point at the running server."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "claude"
+    script.write_text(f'#!/bin/sh\necho "$ANTHROPIC_BASE_URL $ANTHROPIC_MODEL $*" > {tmp_path / "seen"}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(
+        launch, "start_server", lambda *a: pytest.fail("started a server beside a running one")
+    )
+    assert launch.launch_main(["--url", server, "claude", "-p", "hi there"]) == 0
+    assert (tmp_path / "seen").read_text().split() == [server, MODEL, "-p", "hi", "there"]
