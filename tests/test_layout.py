@@ -17,7 +17,7 @@ PACKAGES = ("kernels", "minivllm", "server")
 RULES: dict[str, set[str]] = {
     "kernels": set(),
     "minivllm.config": set(),
-    "minivllm.cache": set(),
+    "minivllm.cache": {"minivllm.config"},
     "minivllm.cluster": set(),
     "minivllm.models": {"kernels"},
     "minivllm.engine": {"minivllm.cache", "minivllm.models", "minivllm.config", "kernels"},

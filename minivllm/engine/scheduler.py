@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from minivllm.cache.kv_manager import KVManager
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, Publication, SingleFlight, Speculative
 from minivllm.engine.grammar import MaskCounters, advance, grammar_error
 from minivllm.engine.ngram_draft import accepted_tokens, propose
 from minivllm.engine.sequence import Sequence, SequenceStatus, TokenLogprob
@@ -86,7 +86,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
+        self.flights = (
+            FlightCoordinator(config.single_flight) if config.single_flight != SingleFlight.OFF else None
+        )
         self.counters = CacheCounters()
         self.spec_counters = SpecCounters()
         self.finished: list[Sequence] = []  # ended since the engine last collected them
@@ -126,7 +128,7 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(1)
             budget -= 1
-        if self.config.speculative != "off":
+        if self.config.speculative != Speculative.OFF:
             budget -= self._draft(seqs, num_tokens, budget)
         prefills = [
             s for s in self.running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens > 1
@@ -263,7 +265,7 @@ class Scheduler:
         return ScheduledStep(ahead, [1] * len(ahead))
 
     def _drafting(self) -> bool:
-        return self.config.speculative != "off" and len(self.running) <= SPEC_MAX_DECODES
+        return self.config.speculative != Speculative.OFF and len(self.running) <= SPEC_MAX_DECODES
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
@@ -339,7 +341,7 @@ class Scheduler:
     def postprocess(self, step: ScheduledStep, outputs: list) -> None:
         """Record what the evaluated step computed; accept or reject drafts; publish pages; append the new
         tokens and finish requests that are done."""
-        incremental = self.config.publication == "incremental"
+        incremental = self.config.publication == Publication.INCREMENTAL
         for seq, n, out in zip(step.seqs, step.num_tokens, outputs):
             was_prefill = seq.in_prefill
             prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
@@ -351,7 +353,9 @@ class Scheduler:
             # not count as computed, so it is never published, and the next tokens overwrite it
             rejected = len(draft) + 1 - len(tokens) if draft else 0
             seq.num_computed_tokens += n - rejected
-            release = was_prefill and not seq.in_prefill and self.config.single_flight == "after_prefill"
+            release = (
+                was_prefill and not seq.in_prefill and self.config.single_flight == SingleFlight.AFTER_PREFILL
+            )
             if incremental or release:  # on release: the followers' checkpoint, even under completion
                 self.kv.publish(seq)
             if release:

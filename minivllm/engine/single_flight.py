@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from minivllm.config import SingleFlight
 from minivllm.engine.sequence import Sequence
 
 
@@ -34,8 +35,8 @@ class FlightCounters:
 
 
 class FlightCoordinator:
-    def __init__(self, mode: str):
-        assert mode in ("at_completion", "after_prefill")
+    def __init__(self, mode: SingleFlight):
+        assert mode in (SingleFlight.AT_COMPLETION, SingleFlight.AFTER_PREFILL)
         self.mode = mode
         self.flights: dict[tuple[int, ...], Flight] = {}
         self.flight_of: dict[str, Flight] = {}  # request id -> its open flight
