@@ -13,7 +13,8 @@ from tqdm import tqdm
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import FinishReason, TokenLogprob
 
 
 @dataclass
@@ -22,7 +23,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     num_cached_tokens: int
     logprobs: list[TokenLogprob]
     error: str | None = None  # why it ended, when the finish reason alone does not say
@@ -60,7 +61,7 @@ class LLM:
             while any(not s.is_finished for s in seqs):
                 bar.update(sum(o.finished for o in self.engine.step()))
         completions = [self._completion(s) for s in seqs]
-        failed = [c for c in completions if c.finish_reason == "error"]
+        failed = [c for c in completions if c.finish_reason == FinishReason.ERROR]
         if failed:
             raise GenerationError(failed, completions)
         return completions

@@ -7,7 +7,7 @@ OpenAI chat response or its chunks, splitting tool calls out of the text as they
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sequence import TokenLogprob
+from minivllm.outputs import TokenLogprob
 from server import protocol as p
 from server.core import OpenAIEvents, ServerState, generate, protocol_names, state_for, until_disconnect
 from server.generation import Delta

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sequence import TokenLogprob
+from minivllm.outputs import TokenLogprob
 from server import protocol as p
 from server.core import OpenAIEvents, generate, protocol_names, state_for, until_disconnect
 from server.errors import APIError

@@ -4,9 +4,9 @@ engine replicas (`server.cluster.remote_engine.RemoteEngine`)."""
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.tokenizer import Tokenizer
+from minivllm.outputs import RequestOutput
 
 
 class EngineClient(Protocol):

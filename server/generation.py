@@ -11,11 +11,10 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-from minivllm.engine.llm_engine import QueueFull, RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.sequence import TokenLogprob
 from minivllm.engine.validation import RequestError
 from minivllm.models.tokenizer import Tokenizer
+from minivllm.outputs import FinishReason, QueueFull, RequestOutput, TokenLogprob
 from server.engine_client import EngineClient
 from server.errors import APIError, named
 
@@ -93,7 +92,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     stop_string: str | None = None  # with finish reason "stop": the stop string that matched, if one did
     error_param: str | None = None  # an error the request's own input caused: that engine parameter (a 400)
@@ -101,7 +100,7 @@ class Delta:
     @property
     def error_status(self) -> int:
         """The HTTP status of its error: the client's input, the server stopping it, or a fault."""
-        return 400 if self.error_param else 503 if self.finish_reason == "abort" else 500
+        return 400 if self.error_param else 503 if self.finish_reason == FinishReason.ABORT else 500
 
 
 @dataclass
@@ -143,10 +142,10 @@ class Choice:
         piece = text.add(tokens)
         if out.finished:
             piece += text.finish()
-        reason = "stop" if text.stopped else out.finish_reason if out.finished else None
+        reason = FinishReason.STOP if text.stopped else out.finish_reason if out.finished else None
         error = None
-        if reason in ("error", "abort"):
-            error = out.error or ("request aborted" if reason == "abort" else "request failed")
+        if reason in (FinishReason.ERROR, FinishReason.ABORT):
+            error = out.error or ("request aborted" if reason == FinishReason.ABORT else "request failed")
         self.done = reason is not None
         return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string, out.error_param)
 
@@ -201,7 +200,7 @@ class Generation:
             return
         for c in self.choices:
             if not c.done:
-                self.events.put_nowait(Delta(c.index, "", [], [], "abort", reason))
+                self.events.put_nowait(Delta(c.index, "", [], [], FinishReason.ABORT, reason))
         self.close()
 
     def close(self) -> None:
@@ -270,13 +269,15 @@ class Generation:
                 self.events.put_nowait(delta)
                 if delta.finish_reason:
                     return  # a stop string: closing the stream below aborts the request
-            self.events.put_nowait(Delta(c.index, "", [], [], "error", "stream ended early"))
+            self.events.put_nowait(Delta(c.index, "", [], [], FinishReason.ERROR, "stream ended early"))
         except Exception as e:
             if not c.started.done():
                 c.started.set_exception(e)
             else:
                 logger.exception("request %s failed", c.request_id)
-                self.events.put_nowait(Delta(c.index, "", [], [], "error", f"{type(e).__name__}: {e}"))
+                self.events.put_nowait(
+                    Delta(c.index, "", [], [], FinishReason.ERROR, f"{type(e).__name__}: {e}")
+                )
         finally:
             await stream.aclose()
             if not c.started.done():

@@ -20,7 +20,14 @@ RULES: dict[str, set[str]] = {
     "minivllm.cache": {"minivllm.config"},
     "minivllm.cluster": set(),
     "minivllm.models": {"kernels"},
-    "minivllm.engine": {"minivllm.cache", "minivllm.models", "minivllm.config", "kernels"},
+    "minivllm.outputs": {"minivllm.cache", "minivllm.config"},
+    "minivllm.engine": {
+        "minivllm.cache",
+        "minivllm.models",
+        "minivllm.config",
+        "minivllm.outputs",
+        "kernels",
+    },
     "minivllm": {"minivllm", "kernels"},  # the entry points: llm, cli, replay, the package itself
     "server": {"server", "minivllm", "kernels"},
 }
@@ -213,9 +220,8 @@ ENGINE_PUBLIC = {
     "minivllm.cluster.routing",
     "minivllm.cache.page_hash",  # the chained page hash, which the replica router computes too
     "minivllm.engine.async_engine",
-    "minivllm.engine.llm_engine",
     "minivllm.engine.sampling_params",
-    "minivllm.engine.sequence",
+    "minivllm.outputs",  # the engine's results: outputs, logprobs, finish reasons
     "minivllm.engine.validation",
     "minivllm.engine.grammar",
     "minivllm.models.loader",

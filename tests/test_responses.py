@@ -258,7 +258,7 @@ def test_an_engine_fault_fails_the_response(server, monkeypatch):
 
 def test_a_request_the_server_aborts_ends_with_an_error_event(server, monkeypatch):
     """An abort (the server shutting down) is no fault of the response: an `error` event, or a 503."""
-    from minivllm.engine.llm_engine import RequestOutput
+    from minivllm.outputs import RequestOutput
 
     engine = server.app.state.server.engine
     generate = engine.generate

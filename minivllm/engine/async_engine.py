@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from llguidance import LLMatcher
 
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, RequestOutput
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.validation import RequestError
+from minivllm.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ class AsyncEngine:
 
     def _close_streams(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="abort", error=reason))
+            stream.put_nowait(
+                RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT, error=reason)
+            )
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(

@@ -8,27 +8,27 @@ its own threads, on bytes the stepping thread copies out of and into the pools b
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from llguidance import LLMatcher
 
 from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.hash_stream import HashStream
-from minivllm.cache.kv_manager import KVManager, PrefixMiss
+from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.page_file import TierIdentity
-from minivllm.cache.pins import PinInfo
 from minivllm.config import EngineConfig, default_kv_cache_bytes
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
 from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, LaunchedStep, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
-from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.sequence import Sequence
 from minivllm.engine.token_gaps import TokenGaps
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
 from minivllm.models.loader import activation_dtype, load_model, module_arrays
+from minivllm.outputs import FinishReason, QueueFull, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -39,33 +39,6 @@ logger = logging.getLogger(__name__)
 # benchmarks/cpu_settings.py) and a request arriving meanwhile waits one step more.
 OVERLAP_CPU_MAX_WEIGHT_BYTES = 32 << 20
 DISK_WAIT_S = 0.05  # with nothing to step but disk reads, wait this long at most for one (new requests too)
-
-
-class QueueFull(RuntimeError):
-    """max_waiting requests already wait beyond the free running slots; retry later."""
-
-
-@dataclass
-class RequestOutput:
-    """What one step did for one request: the new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    prefix_miss: PrefixMiss | None = None  # where and why that restore stopped short, if it did
-    pins: list[PinInfo] = field(default_factory=list)  # what the request's pins got (its last output)
-    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
-    num_pages_published: int = 0
-    num_published_prompt_tokens: int = 0  # prompt tokens in the pages it published: cache it created
-    num_output_tokens: int = 0
-    flight_role: str | None = None
-    stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
-    error: str | None = None  # why it ended, when the finish reason alone does not say
-    error_param: str | None = None  # an "error" the request's own input caused (its grammar): that parameter
 
 
 class LLMEngine:
@@ -215,7 +188,7 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             raise KeyError(f"unknown request id {request_id!r}")
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -279,7 +252,7 @@ class LLMEngine:
             self.scheduler.restored_from_disk(seq, tokens)
 
     def fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
-        """End seqs with reason "error" and the fault as detail. A fault may have left the pool's
+        """End seqs with reason ERROR and the fault as detail. A fault may have left the pool's
         bookkeeping or the KV pools half-updated (MLX is lazy: a broken graph may sit in them), so the
         other running requests are requeued to recompute, and the pool and the KV start afresh."""
         detail = f"{type(error).__name__}: {error}"
@@ -289,13 +262,13 @@ class LLMEngine:
         for seq in seqs:
             seq.finish_detail = detail
             try:
-                self.scheduler.finish(seq, "error")
+                self.scheduler.finish(seq, FinishReason.ERROR)
             except Exception:  # the request is finished all the same; only its flight bookkeeping failed
                 logger.exception("while failing request %s", seq.request_id)
             # also when it finished earlier in the faulted step (its last output was lost), but an abort
             # stays an abort: nobody waits for that request's output
-            if seq.finish_reason != "abort":
-                seq.finish_reason = "error"
+            if seq.finish_reason != FinishReason.ABORT:
+                seq.finish_reason = FinishReason.ERROR
         for seq in reversed(self.scheduler.running):  # newest first, so the oldest ends up first in line
             self.scheduler.requeue(seq)
         self.runner.reset_kv()

@@ -15,9 +15,10 @@ import numpy as np
 from kernels.paged_attention import build_layout
 from minivllm.engine.grammar import MaskCounters, token_bitmasks
 from minivllm.engine.sampler import log_softmax, sample
-from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.sequence import Sequence
 from minivllm.models.families import architecture_of
 from minivllm.models.layers import Architecture, KVPools, forward
+from minivllm.outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig, Publication, SingleFlight, Speculative
 from minivllm.engine.grammar import MaskCounters, advance, grammar_error
 from minivllm.engine.ngram_draft import accepted_tokens, propose
-from minivllm.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.single_flight import FlightCoordinator
+from minivllm.outputs import FinishReason, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ class Scheduler:
             f"the pool has {self.kv.num_pages}"
         )
         logger.warning("request %s %s", seq.request_id, seq.finish_detail)
-        self.finish(seq, "length")
+        self.finish(seq, FinishReason.LENGTH)
         return True
 
     def _admit(self, seq: Sequence) -> bool:
@@ -388,28 +389,28 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.stop_token_id = token
-            self.finish(seq, "stop")
+            self.finish(seq, FinishReason.STOP)
         elif seq.matcher is not None and seq.matcher.is_error():  # past the grammar engine's limits
             refusal = grammar_error(seq.matcher.get_error())
             seq.finish_detail, seq.error_param = refusal.message, refusal.param
             logger.warning("request %s: %s", seq.request_id, seq.finish_detail)
-            self.finish(seq, "error")
+            self.finish(seq, FinishReason.ERROR)
         elif seq.matcher is not None and seq.matcher.is_stopped():
             if token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos
                 seq.stop_token_id = token
-            self.finish(seq, "stop")  # the grammar is complete and allows nothing more
+            self.finish(seq, FinishReason.STOP)  # the grammar is complete and allows nothing more
         elif self._reached_length_limit(seq, len(seq.token_ids)):
-            self.finish(seq, "length")
+            self.finish(seq, FinishReason.LENGTH)
 
     def _reached_length_limit(self, seq: Sequence, length: int) -> bool:
         """With `length` tokens, seq has its max_tokens or fills the context."""
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq for good: finished ("stop"/"length"), aborted ("abort") or failed ("error")."""
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End seq for good: finished (STOP, LENGTH), aborted (ABORT) or failed (ERROR)."""
         if seq.is_finished:
             return  # e.g. an abort that arrives after the step that finished it
-        if reason in ("stop", "length"):
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.kv.publish(seq)
         seq.draft.log(seq.request_id)
         self.kv.pin(seq)  # what it published of the prefixes it asked to pin, before its pages go

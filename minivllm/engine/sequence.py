@@ -10,6 +10,7 @@ from minivllm.cache.page_hash import extend_page_hashes, root_hash
 from minivllm.cache.pins import PinInfo
 from minivllm.engine.ngram_draft import DraftState
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.outputs import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -21,13 +22,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -35,7 +29,7 @@ class Sequence:
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # why, when the reason alone does not say (a fault, a pool too small)
     error_param: str | None = None  # an "error" due to the request's own input: the parameter at fault
     stop_token_id: int | None = None  # the EOS / stop token that ended it (not part of the text)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from minivllm.config import SingleFlight
 from minivllm.engine.sequence import Sequence
+from minivllm.outputs import FinishReason
 
 
 @dataclass
@@ -96,7 +97,7 @@ class FlightCoordinator:
         if flight.leader is not seq:
             flight.followers.remove(seq)
             return
-        if flight.followers and seq.finish_reason in ("abort", "error"):
+        if flight.followers and seq.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
             self._promote(flight)  # no follower may wait forever: the oldest computes the prompt itself
             return
         self._close(flight)  # the leader finished: its pages are published

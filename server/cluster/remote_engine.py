@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.loader import load_tokenizer
+from minivllm.outputs import FinishReason, RequestOutput
 from server.cluster import router_registry
 from server.settings import Settings
 
@@ -80,7 +80,7 @@ class RemoteEngine:
                 request_id,
                 [],
                 finished=True,
-                finish_reason="abort",
+                finish_reason=FinishReason.ABORT,
                 error=f"the engine replica serving this request failed ({type(e).__name__}); retry the request",
             )
         finally:

@@ -5,8 +5,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from minivllm.engine.async_engine import AsyncEngine
-from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.outputs import RequestOutput
 from server.settings import Settings
 
 
