@@ -7,7 +7,7 @@ what a pin got), nothing else of minivllm.
 
 from dataclasses import dataclass, field
 
-from minivllm.cache.kv_manager import PrefixMiss
+from minivllm.cache.kv_request import PrefixMiss
 from minivllm.cache.pins import PinInfo
 from minivllm.config import StrEnum
 

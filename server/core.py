@@ -18,6 +18,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.shadow import ShadowReplay
@@ -84,7 +85,6 @@ def sampling_params(
     logprobs: int | None,
     first_index: int,
     structured: StructuredOutput | None = None,
-    cache_salt: str | None = None,
 ) -> list[SamplingParams]:
     """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i).
     max_tokens None: up to the end of the context (the engine checks what fits)."""
@@ -105,7 +105,6 @@ def sampling_params(
                 min_p=body.min_p,
                 logit_bias=body.token_bias,
                 structured_output=structured,
-                cache_salt=cache_salt,
             )
             for j in range(body.n)
         ]
@@ -196,9 +195,9 @@ async def generate(
             f"and the waiting queue holds {max_waiting} requests (MINIVLLM_MAX_WAITING)",
             param="n",
         )
-    salt = cache_salt(request, getattr(body, "cache_salt", None))
+    cache = CacheHints(cache_salt(request, getattr(body, "cache_salt", None)))
     params = [
-        sampling_params(body, max_tokens, logprobs, i * body.n, structured, salt) for i in range(len(prompts))
+        sampling_params(body, max_tokens, logprobs, i * body.n, structured) for i in range(len(prompts))
     ]
     hidden = state.special_token_ids if body.skip_special_tokens else frozenset()
     return await run(
@@ -213,6 +212,7 @@ async def generate(
         body.include_usage,
         locate,
         names,
+        cache,
     )
 
 
@@ -228,12 +228,14 @@ async def run(
     include_usage: bool = False,
     locate: MessageLocator | None = None,
     names: Mapping[str, str] | None = None,
+    cache: CacheHints | None = None,
 ) -> Response:
     """Prompts and their choices' params (params[i][j]: choice j of prompt i) -> the response. locate: the
     message holding a prompt token, for the prefix-cache report (server.prefix_report). names: the
-    protocol's fields by engine parameter, for a refusal that comes after a stream's headers."""
+    protocol's fields by engine parameter, for a refusal that comes after a stream's headers. cache: the
+    requests' cache domain and pins."""
     rid = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden, names or {})
+    gen = Generation(state.engine, rid, prompts, params, stops, state.metrics, hidden, names or {}, cache)
     explain = _explainer(request, state, gen, locate)
     streaming = False
     try:

@@ -4,6 +4,7 @@ engine replicas (`server.cluster.remote_engine.RemoteEngine`)."""
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.tokenizer import Tokenizer
 from minivllm.outputs import RequestOutput
@@ -22,7 +23,7 @@ class EngineClient(Protocol):
     def vocab_size(self) -> int: ...
 
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache: CacheHints | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raise RequestError (minivllm.engine.validation) / QueueFull before
         the first output if refused."""

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.validation import RequestError
 from minivllm.models.tokenizer import Tokenizer
@@ -161,14 +162,17 @@ class Generation:
         metrics=None,
         hidden_token_ids: frozenset[int] = frozenset(),
         names: Mapping[str, str] | None = None,
+        cache: CacheHints | None = None,
     ):
         """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major.
+        cache: every choice's cache domain and pins.
         hidden_token_ids: tokens that add no output text (they still count, and show in logprobs).
         names: the protocol's fields by engine parameter, for an error the request's input caused."""
         self.engine = engine
         self.metrics = metrics
         self.hidden_token_ids = hidden_token_ids
         self.names = names or {}
+        self.cache = cache
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.choices: list[Choice] = []
@@ -253,7 +257,7 @@ class Generation:
 
     # -- one choice -----------------------------------------------------------------------------------
     async def _run(self, c: Choice) -> None:
-        stream = self.engine.generate(c.request_id, c.prompt, c.params)
+        stream = self.engine.generate(c.request_id, c.prompt, c.params, self.cache)
         try:
             text = TextStream(self.engine.tokenizer, c.stops, self.hidden_token_ids)
             async for out in stream:

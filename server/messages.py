@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams, StructuredOutput
+from minivllm.cache.hints import TTL_DEFAULT_S, TTL_MAX_S, CacheHints
+from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
 from server import anthropic_protocol as a
 from server import protocol as p
 from server.core import KEEPALIVE_S, ServerState, cache_salt, protocol_names, run, state_for, until_disconnect
@@ -49,7 +50,8 @@ async def messages(body: a.MessagesRequest, request: Request):
         marks = breakpoints(body, turns, owners)
         pins = await until_disconnect(request, lambda: pinned(st, turns, template_tools, prompt, marks))
         salt = cache_salt(request, None)  # the API key's cache domain, as on the other protocols
-        params = sampling(body, structured, body.max_tokens if fits else None, pins, salt)
+        params = sampling(body, structured, body.max_tokens if fits else None)
+        cache = CacheHints(salt, pins)
         fmt = MessagesFormat(tools, window_bound=not fits)
         stops = body.stop_sequences or []
 
@@ -58,7 +60,17 @@ async def messages(body: a.MessagesRequest, request: Request):
 
         hidden = st.special_token_ids
         return await run(
-            request, st, fmt, [prompt], [[params]], stops, hidden, body.stream, locate=locate, names=names
+            request,
+            st,
+            fmt,
+            [prompt],
+            [[params]],
+            stops,
+            hidden,
+            body.stream,
+            locate=locate,
+            names=names,
+            cache=cache,
         )
 
 
@@ -107,8 +119,6 @@ def sampling(
     body: a.MessagesRequest,
     structured: StructuredOutput | None,
     max_tokens: int | None,
-    pins: tuple[tuple[int, float], ...] = (),
-    salt: str | None = None,
 ) -> SamplingParams:
     """max_tokens None: up to the end of the context."""
     try:
@@ -118,8 +128,6 @@ def sampling(
             top_p=body.top_p,
             top_k=body.top_k,
             structured_output=structured,
-            pins=pins,
-            cache_salt=salt,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -15,7 +15,9 @@ from llguidance import LLMatcher
 
 from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.hash_stream import HashStream
+from minivllm.cache.hints import CacheHints
 from minivllm.cache.kv_manager import KVManager
+from minivllm.cache.kv_request import KVRequest
 from minivllm.cache.page_file import TierIdentity
 from minivllm.config import EngineConfig, default_kv_cache_bytes
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
@@ -39,6 +41,15 @@ logger = logging.getLogger(__name__)
 # benchmarks/cpu_settings.py) and a request arriving meanwhile waits one step more.
 OVERLAP_CPU_MAX_WEIGHT_BYTES = 32 << 20
 DISK_WAIT_S = 0.05  # with nothing to step but disk reads, wait this long at most for one (new requests too)
+
+
+def new_sequence(
+    request_id: str, token_ids: list[int], params: SamplingParams, cache: CacheHints | None = None, **fields
+) -> Sequence:
+    """A request, with the KV cache's record of it (which shares its token list)."""
+    seq = Sequence(request_id, token_ids, params, **fields)
+    seq.cache = KVRequest(request_id, seq.token_ids, len(token_ids), cache or CacheHints())
+    return seq
 
 
 class LLMEngine:
@@ -155,10 +166,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         matcher: LLMatcher | None = None,
+        cache: CacheHints | None = None,
     ) -> Sequence:
         """Validate and queue a request (RequestError names the parameter at fault). matcher:
         params.structured_output compiled by `self.grammars.matcher` off this thread (the async engine
-        does); without it, a structured-output request compiles here."""
+        does); without it, a structured-output request compiles here. cache: its cache domain and pins."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", param="request_id")
@@ -169,9 +181,9 @@ class LLMEngine:
         if params.structured_output is not None and matcher is None:
             matcher = self.grammars.matcher(params.structured_output)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(request_id, token_ids, params, seed=seed, matcher=matcher)
+        seq = new_sequence(request_id, token_ids, params, cache, seed=seed, matcher=matcher)
         if self.hash_stream is not None:
-            self.hash_stream.record(seq.full_page_hashes(self.config.page_size), len(token_ids))
+            self.hash_stream.record(seq.cache.full_page_hashes(self.config.page_size), len(token_ids))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -248,8 +260,8 @@ class LLMEngine:
 
     def _apply_disk_restores(self) -> None:
         """Pages the disk tier has read for waiting requests go into the pools; they can run now."""
-        for seq, tokens in self.kv.apply_restores(self.runner.write_pages):
-            self.scheduler.restored_from_disk(seq, tokens)
+        for req, tokens in self.kv.apply_restores(self.runner.write_pages):
+            self.scheduler.restored_from_disk(self.requests[req.request_id], tokens)
 
     def fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
         """End seqs with reason ERROR and the fault as detail. A fault may have left the pool's
@@ -258,7 +270,7 @@ class LLMEngine:
         detail = f"{type(error).__name__}: {error}"
         self.in_flight = None  # its graph writes into the KV pools dropped below
         # a fresh pool first: nothing is released through the broken one (page tables are forgotten)
-        self.kv.reset(seqs + self.scheduler.running)
+        self.kv.reset([s.cache for s in seqs + self.scheduler.running])
         for seq in seqs:
             seq.finish_detail = detail
             try:
@@ -292,11 +304,11 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            prefix_miss=seq.prefix_miss,
-            pins=list(seq.pins),
+            prefix_miss=seq.cache.prefix_miss,
+            pins=list(seq.cache.pins),
             num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
-            num_pages_published=seq.num_pages_published,
-            num_published_prompt_tokens=seq.num_published_prompt_tokens,
+            num_pages_published=seq.cache.num_pages_published,
+            num_published_prompt_tokens=seq.cache.num_published_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             flight_role=seq.flight_role,
             stop_token_id=seq.stop_token_id,
@@ -305,7 +317,7 @@ class LLMEngine:
         )
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(self.scheduler.running)
+        self.kv.check_invariants([s.cache for s in self.scheduler.running])
 
     def stats(self) -> dict:
         c, p, pages = self.scheduler.counters, self.kv.counters, self.kv.state()

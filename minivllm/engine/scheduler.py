@@ -139,10 +139,10 @@ class Scheduler:
         if self.counters.preemptions == preemptions:
             prefills += self._admit_waiting(budget - len(prefills))
         # a request whose prefix pages are still being read from disk waits for them; nobody else does
-        prefills = [s for s in prefills if not self.kv.is_restoring(s)]
+        prefills = [s for s in prefills if not self.kv.is_restoring(s.cache)]
         for seq, n in zip(prefills, fair_shares([s.num_uncomputed_tokens for s in prefills], budget)):
             # pages for the whole prompt came with admission: a prefill chunk never needs to preempt
-            if n > 0 and self.kv.pages_short(seq, seq.num_computed_tokens + n) <= 0:
+            if n > 0 and self.kv.pages_short(seq.cache, seq.num_computed_tokens + n) <= 0:
                 seqs.append(seq)
                 num_tokens.append(n)
         self.step_seqs = list(dict.fromkeys(self.step_seqs + seqs))
@@ -161,14 +161,16 @@ class Scheduler:
             if share == 0:
                 continue
             seq = seqs[i]
-            room = min(share, self.kv.free_room(seq) - len(seq.token_ids))
+            room = min(share, self.kv.free_room(seq.cache) - len(seq.token_ids))
             if room <= 0:
                 continue  # no free page: a full pool is no sign that drafts miss
             draft = propose(seq.token_ids, room)
             if not draft:
                 seq.draft.back_off()
                 continue
-            self.kv.grow(seq, len(seq.token_ids) + len(draft))  # the draft's KV goes after the last token
+            self.kv.grow(
+                seq.cache, len(seq.token_ids) + len(draft)
+            )  # the draft's KV goes after the last token
             seq.draft_token_ids = draft
             num_tokens[i] += len(draft)
             drafted += len(draft)
@@ -224,13 +226,15 @@ class Scheduler:
             h
             for s in seqs
             if s.in_prefill
-            for h in s.full_page_hashes(size)[s.publish_cursor : s.num_prompt_tokens // size]
+            for h in s.cache.full_page_hashes(size)[s.cache.publish_cursor : s.num_prompt_tokens // size]
         }
 
     def _next_page_in(self, seq: Sequence, computing: set[bytes]) -> bool:
         """Whether the first page of seq's prompt that the cache does not hold is in `computing`."""
-        restorable = seq.full_page_hashes(self.kv.page_size)[: (len(seq.token_ids) - 1) // self.kv.page_size]
-        cached = self.kv.cached_prefix_pages(seq)
+        restorable = seq.cache.full_page_hashes(self.kv.page_size)[
+            : (len(seq.token_ids) - 1) // self.kv.page_size
+        ]
+        cached = self.kv.cached_prefix_pages(seq.cache)
         return cached < len(restorable) and restorable[cached] in computing
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep:
@@ -257,11 +261,11 @@ class Scheduler:
             if not self._reached_length_limit(seq, len(seq.token_ids) + 1):
                 ahead.append(seq)  # else the running step's token is its last for sure
         # its KV goes after the running step's token: len(token_ids) + 1 tokens in all
-        need = [max(0, self.kv.pages_short(seq, len(seq.token_ids) + 1)) for seq in ahead]
+        need = [max(0, self.kv.pages_short(seq.cache, len(seq.token_ids) + 1)) for seq in ahead]
         if sum(need) > self.kv.num_available():
             return none
         for seq in ahead:
-            self.kv.grow(seq, len(seq.token_ids) + 1)
+            self.kv.grow(seq.cache, len(seq.token_ids) + 1)
         self.step_seqs.extend(ahead)
         return ScheduledStep(ahead, [1] * len(ahead))
 
@@ -270,7 +274,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
-        need = self.kv.pages_short(seq, num_tokens)
+        need = self.kv.pages_short(seq.cache, num_tokens)
         if need > self.kv.num_available() and self._stop_if_it_never_fits(seq):
             return False
         while need > self.kv.num_available():
@@ -278,7 +282,7 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.kv.grow(seq, num_tokens)
+        self.kv.grow(seq.cache, num_tokens)
         return True
 
     def _stop_if_it_never_fits(self, seq: Sequence) -> bool:
@@ -298,7 +302,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Restore the longest cached prefix, allocate pages for the rest of the prompt, start running."""
-        restored = self.kv.admit(seq)
+        restored = self.kv.admit(seq.cache)
         if restored is None:
             return False
         seq.status = SequenceStatus.RUNNING
@@ -332,7 +336,7 @@ class Scheduler:
         """Free seq's pages and put it first in the waiting queue."""
         if self.flights and self.flights.is_open_leader(seq):
             self.flights.hand_over(seq)
-        self.kv.release(seq)
+        self.kv.release(seq.cache)
         seq.draft_token_ids = []  # e.g. after a fault in its verification: readmitted, it recomputes
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
@@ -358,7 +362,7 @@ class Scheduler:
                 was_prefill and not seq.in_prefill and self.config.single_flight == SingleFlight.AFTER_PREFILL
             )
             if incremental or release:  # on release: the followers' checkpoint, even under completion
-                self.kv.publish(seq)
+                self.kv.publish(seq.cache)
             if release:
                 self.flights.release(seq)
             length = len(seq.token_ids)
@@ -378,7 +382,7 @@ class Scheduler:
         self.spec_counters.draft_tokens += drafted
         self.spec_counters.accepted_tokens += accepted
         if not seq.is_finished:
-            self.kv.truncate(seq, len(seq.token_ids))
+            self.kv.truncate(seq.cache, len(seq.token_ids))
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         seq.token_ids.append(token)
@@ -411,10 +415,10 @@ class Scheduler:
         if seq.is_finished:
             return  # e.g. an abort that arrives after the step that finished it
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.kv.publish(seq)
+            self.kv.publish(seq.cache)
         seq.draft.log(seq.request_id)
-        self.kv.pin(seq)  # what it published of the prefixes it asked to pin, before its pages go
-        self.kv.release(seq)
+        self.kv.pin(seq.cache)  # what it published of the prefixes it asked to pin, before its pages go
+        self.kv.release(seq.cache)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:

@@ -45,7 +45,7 @@ class FlightCoordinator:
         self.counters = FlightCounters()
 
     def join(self, seq: Sequence) -> None:
-        key = (seq.params.cache_salt, *seq.prompt_token_ids)  # a domain's followers restore its pages only
+        key = (seq.cache.hints.salt, *seq.prompt_token_ids)  # a domain's followers restore its pages only
         flight = self.flights.get(key)
         if flight is None:
             flight = self.flights[key] = Flight(key, leader=seq)
