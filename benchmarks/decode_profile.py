@@ -86,7 +86,7 @@ class Probes:
         """A decode token's forward: the request's last computed token again (its K/V rewritten, equal)."""
         seq, runner = self.seq, self.engine.runner
         n = seq.num_computed_tokens - 1
-        layout = build_layout([seq.page_table], [n], [1], runner.page_size)
+        layout = build_layout([seq.cache.page_table], [n], [1], runner.page_size)
         return forward(
             runner.architecture, runner.model, mx.array(seq.token_ids[n : n + 1]), runner.kv, layout, [0]
         )

@@ -9,8 +9,9 @@ minivllm and kernels; nothing in minivllm imports server.
 from minivllm.models import backend as _backend  # noqa: F401  (preloads OpenBLAS before mlx.core is imported)
 
 # isort: split
+from minivllm.cache.hints import CacheHints
 from minivllm.config import EngineConfig
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput
 from minivllm.llm import LLM, GenerationError
 
-__all__ = ["LLM", "GenerationError", "EngineConfig", "SamplingParams", "StructuredOutput"]
+__all__ = ["LLM", "CacheHints", "GenerationError", "EngineConfig", "SamplingParams", "StructuredOutput"]

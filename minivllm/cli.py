@@ -24,6 +24,7 @@ def generate_main(argv: list[str]) -> int:
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.engine.sampling_params import SamplingParams
+    from minivllm.outputs import FinishReason
 
     try:
         params = SamplingParams(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed)
@@ -44,7 +45,7 @@ def generate_main(argv: list[str]) -> int:
         for out in engine.step():
             text = "".join(decode(t) or "" for t in out.new_token_ids if t not in engine.eos_token_ids)
             print(text, end="", flush=True)
-            if out.finish_reason == "error":  # a fault: never a silently short completion
+            if out.finish_reason == FinishReason.ERROR:  # a fault: never a silently short completion
                 error = out.error
     print(flush=True)
     if error is not None:

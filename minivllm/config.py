@@ -2,12 +2,53 @@
 
 import os
 from dataclasses import dataclass
+from enum import Enum
 
-EVICTION_POLICIES = ("adaptive", "s3fifo", "lru", "fifo")  # minivllm.cache.eviction.POLICIES
-DEFAULT_EVICTION = "adaptive"
-PUBLICATION_MODES = ("incremental", "completion")
-SINGLE_FLIGHT_MODES = ("off", "at_completion", "after_prefill")
-SPECULATIVE_MODES = ("off", "ngram")
+
+class StrEnum(str, Enum):
+    """Python 3.11's enum.StrEnum, for 3.10: a member is its value as a str (str(), f-strings, JSON), so
+    settings, logs and responses see the plain name, and comparisons with the name hold."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+# Each choice is one enum, the one list of its names.
+class Eviction(StrEnum):
+    """The prefix cache's eviction policies (minivllm.cache.eviction.POLICIES is this list)."""
+
+    ADAPTIVE = "adaptive"
+    S3FIFO = "s3fifo"
+    LRU = "lru"
+    FIFO = "fifo"
+
+
+class Publication(StrEnum):
+    """When a request's full KV pages become reusable: after every step, or when it ends."""
+
+    INCREMENTAL = "incremental"
+    COMPLETION = "completion"
+
+
+class SingleFlight(StrEnum):
+    """Requests that share a prompt (prefix) wait for one computation of it (minivllm.engine.single_flight)."""
+
+    OFF = "off"
+    AT_COMPLETION = "at_completion"
+    AFTER_PREFILL = "after_prefill"
+
+
+class Speculative(StrEnum):
+    OFF = "off"
+    NGRAM = "ngram"
+
+
+# the names as plain strings, for settings and messages
+EVICTION_POLICIES = tuple(m.value for m in Eviction)
+DEFAULT_EVICTION = Eviction.ADAPTIVE
+PUBLICATION_MODES = tuple(m.value for m in Publication)
+SINGLE_FLIGHT_MODES = tuple(m.value for m in SingleFlight)
+SPECULATIVE_MODES = tuple(m.value for m in Speculative)
 CPU_WEIGHT_LAYOUTS = ("auto", "transposed", "native")  # minivllm.models.cpu_layout.LAYOUTS
 
 
@@ -22,9 +63,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_waiting: int = 256  # requests waiting beyond the free running slots; past it: QueueFull (HTTP 429)
     enable_prefix_caching: bool = True
-    eviction: str = DEFAULT_EVICTION
-    publication: str = "incremental"
-    single_flight: str = "after_prefill"
+    eviction: Eviction = DEFAULT_EVICTION  # a name (str) is taken too, and converted
+    publication: Publication = Publication.INCREMENTAL
+    single_flight: SingleFlight = SingleFlight.AFTER_PREFILL
     # build and queue step n+1 while step n runs, when its tokens are not needed first. None: on a GPU backend,
     # and on a CPU for small models, whose step is mostly host work (llm_engine.OVERLAP_CPU_MAX_WEIGHT_BYTES)
     overlap: bool | None = None
@@ -33,7 +74,7 @@ class EngineConfig:
     cpu_weight_layout: str = "native"
     # speculative decoding: "ngram" drafts tokens by prompt lookup (minivllm.engine.ngram_draft) and
     # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
-    speculative: str = "off"
+    speculative: Speculative = Speculative.OFF
     speculative_tokens: int = 8
     # a second tier of the prefix cache on disk, persistent across restarts (minivllm.cache.disk_tier)
     kv_disk_dir: str | None = None  # None: no disk tier
@@ -54,16 +95,14 @@ class EngineConfig:
         )
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
         _check(self.max_waiting >= 1, "max_waiting must be >= 1")
-        _check(self.eviction in EVICTION_POLICIES, f"eviction must be one of {EVICTION_POLICIES}")
-        _check(self.publication in PUBLICATION_MODES, f"publication must be one of {PUBLICATION_MODES}")
-        _check(
-            self.single_flight in SINGLE_FLIGHT_MODES, f"single_flight must be one of {SINGLE_FLIGHT_MODES}"
-        )
+        self.eviction = _member(Eviction, self.eviction, "eviction")
+        self.publication = _member(Publication, self.publication, "publication")
+        self.single_flight = _member(SingleFlight, self.single_flight, "single_flight")
+        self.speculative = _member(Speculative, self.speculative, "speculative")
         _check(
             self.cpu_weight_layout in CPU_WEIGHT_LAYOUTS,
             f"cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}",
         )
-        _check(self.speculative in SPECULATIVE_MODES, f"speculative must be one of {SPECULATIVE_MODES}")
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
         _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")
         _check(self.shadow_requests >= 0, "shadow_requests must be >= 0")
@@ -72,7 +111,7 @@ class EngineConfig:
             "kv_disk_dir is a tier of the prefix cache: it needs the prefix cache on",
         )
         _check(
-            self.enable_prefix_caching or self.single_flight == "off",
+            self.enable_prefix_caching or self.single_flight == SingleFlight.OFF,
             "single_flight needs the prefix cache (followers restore the leader's pages); set it to 'off'",
         )
 
@@ -81,6 +120,14 @@ def default_kv_cache_bytes(fraction: float) -> int:
     """The KV pool budget when kv_cache_bytes is unset: `fraction` of physical memory, at most 2 GiB."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(int(total * fraction), 2 << 30)
+
+
+def _member(kind: type[StrEnum], value: str, name: str) -> StrEnum:
+    """value as a member of kind (a member, or its name); a ValueError naming the setting if it is none."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {tuple(m.value for m in kind)}") from None
 
 
 def _check(ok: bool, message: str) -> None:

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from minivllm.cache.hints import CacheHints
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import FinishReason, TokenLogprob
 
 
 @dataclass
@@ -22,7 +24,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     num_cached_tokens: int
     logprobs: list[TokenLogprob]
     error: str | None = None  # why it ended, when the finish reason alone does not say
@@ -49,18 +51,26 @@ class LLM:
         prompts: list[str] | list[list[int]] | str,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        cache: CacheHints | list[CacheHints] | None = None,
     ) -> list[Completion]:
+        """cache: the requests' cache domain and pins (one for all, or one per prompt)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self.engine.add_request(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params)]
+        hints = cache if isinstance(cache, list) else [cache] * len(prompts)
+        if len(hints) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(hints)} cache hints")
+        seqs = [
+            self.engine.add_request(f"llm-{next(self._ids)}", p, sp, cache=h)
+            for p, sp, h in zip(prompts, params, hints)
+        ]
         with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
             while any(not s.is_finished for s in seqs):
                 bar.update(sum(o.finished for o in self.engine.step()))
         completions = [self._completion(s) for s in seqs]
-        failed = [c for c in completions if c.finish_reason == "error"]
+        failed = [c for c in completions if c.finish_reason == FinishReason.ERROR]
         if failed:
             raise GenerationError(failed, completions)
         return completions

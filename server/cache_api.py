@@ -11,7 +11,8 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S, SamplingParams
+from minivllm.cache.hints import TTL_DEFAULT_S, TTL_MAX_S, CacheHints
+from minivllm.engine.sampling_params import SamplingParams
 from server import chat
 from server import protocol as p
 from server.core import ServerState, cache_salt, protocol_names, state_for, until_disconnect
@@ -68,8 +69,9 @@ async def pin(body: PinRequest, request: Request) -> PinResponse:
         else:
             (ids,) = await until_disconnect(request, lambda: st.prompts.completion(body.prompt, 1))
         salt = cache_salt(request, body.cache_salt)
-        params = SamplingParams(max_tokens=1, ignore_eos=True, pins=((len(ids), ttl_s),), cache_salt=salt)
-        gen = Generation(st.engine, f"pin-{uuid.uuid4().hex}", [ids], [[params]], [], st.metrics)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        hints = CacheHints(salt, pins=((len(ids), ttl_s),))
+        gen = Generation(st.engine, f"pin-{uuid.uuid4().hex}", [ids], [[params]], [], st.metrics, cache=hints)
         try:
             await until_disconnect(request, gen.start)
             await until_disconnect(request, gen.collect)

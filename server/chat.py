@@ -7,7 +7,7 @@ generates it; ChatWriter writes the chat completion, or its chunks, from the typ
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sequence import TokenLogprob
+from minivllm.outputs import TokenLogprob
 from server import protocol as p
 from server.conversation import (
     ChoiceMode,

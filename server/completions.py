@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sequence import TokenLogprob
+from minivllm.outputs import TokenLogprob
 from server import protocol as p
 from server.chat import FINISH, sampling_of
 from server.conversation import Conversation

@@ -21,6 +21,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.shadow import ShadowReplay
@@ -93,6 +94,7 @@ class Prepared:
 
     prompts: list[list[int]]
     params: list[list[SamplingParams]]  # params[i][j]: choice j of prompt i
+    cache: CacheHints  # the requests' prefix-cache domain and pins
     tools: ToolCalling | None = None
     think: ThinkMarkers | None = None
     window_bound: bool = False  # max_tokens was more than the context has room for: clamped
@@ -120,7 +122,8 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
         )
     pins = await until_disconnect(request, lambda: _pins(st, conv, template_tools, prompt))
     max_tokens, window_bound = clamp_max_tokens(st, conv.max_tokens, len(prompt))
-    params = sampling_params(request, conv, max_tokens, 0, structured, pins)
+    params = sampling_params(request, conv, max_tokens, 0, structured)
+    cache = CacheHints(cache_salt(request, conv.cache_salt), pins)
 
     def locate(token: int):
         return st.prompts.message_at(conv.turns, template_tools, prompt, token)
@@ -131,7 +134,7 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
     end = think and st.engine.tokenizer.added_token_id(think.end)
     if end is not None and conv.thinking.budget_tokens is not None:
         budget = ThinkingBudget(end, conv.thinking.budget_tokens)
-    return Prepared([prompt], [params], tools, think, window_bound, locate, ignored, budget)
+    return Prepared([prompt], [params], cache, tools, think, window_bound, locate, ignored, budget)
 
 
 def prepare_prompts(
@@ -143,7 +146,8 @@ def prepare_prompts(
         max_tokens, clamped = clamp_max_tokens(st, conv.max_tokens, len(prompt))
         window_bound |= clamped
         params.append(sampling_params(request, conv, max_tokens, i * conv.sampling.n))
-    return Prepared(prompts, params, window_bound=window_bound, ignored=conv.ignored)
+    cache = CacheHints(cache_salt(request, conv.cache_salt))
+    return Prepared(prompts, params, cache, window_bound=window_bound, ignored=conv.ignored)
 
 
 def clamp_max_tokens(st: ServerState, max_tokens: int | None, prompt_tokens: int) -> tuple[int | None, bool]:
@@ -188,12 +192,10 @@ def sampling_params(
     max_tokens: int | None,
     first_index: int,
     structured: StructuredOutput | None = None,
-    pins: tuple[tuple[int, float], ...] = (),
 ) -> list[SamplingParams]:
     """The n choices' params for one prompt; choice i of the request samples with choice_seed(seed, i).
     max_tokens None: up to the end of the context (the engine checks what fits)."""
     s = conv.sampling
-    salt = cache_salt(request, conv.cache_salt)
     try:
         return [
             SamplingParams(
@@ -211,8 +213,6 @@ def sampling_params(
                 min_p=s.min_p,
                 logit_bias=dict(s.logit_bias),
                 structured_output=structured,
-                cache_salt=salt,
-                pins=pins,
             )
             for j in range(s.n)
         ]
@@ -297,6 +297,7 @@ async def serve(
         hidden,
         conv.names,
         prepared.thinking_budget,
+        prepared.cache,
     )
     explain = _explainer(request, st, gen, prepared.locate)
     stream = _Stream(gen, writer, rid, st.model_name, prepared.choice_events())

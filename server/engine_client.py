@@ -4,9 +4,10 @@ engine replicas (`server.cluster.remote_engine.RemoteEngine`)."""
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from minivllm.engine.llm_engine import RequestOutput
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.tokenizer import Tokenizer
+from minivllm.outputs import RequestOutput
 
 
 class EngineClient(Protocol):
@@ -22,7 +23,7 @@ class EngineClient(Protocol):
     def vocab_size(self) -> int: ...
 
     def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache: CacheHints | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raise RequestError (minivllm.engine.validation) / QueueFull before
         the first output if refused."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from minivllm.engine.sequence import TokenLogprob
+from minivllm.outputs import TokenLogprob
 from server.conversation import ToolCall
 from server.generation import Delta
 from server.tools import ToolCalling, ToolCallStream, partial_suffix

@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
-from minivllm.engine.llm_engine import QueueFull, RequestOutput
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
-from minivllm.engine.sequence import TokenLogprob
 from minivllm.engine.validation import RequestError
 from minivllm.models.tokenizer import Tokenizer
+from minivllm.outputs import FinishReason, QueueFull, RequestOutput, TokenLogprob
 from server.engine_client import EngineClient
 from server.errors import APIError, named
 
@@ -93,7 +93,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     stop_string: str | None = None  # with finish reason "stop": the stop string that matched, if one did
     error_param: str | None = None  # an error the request's own input caused: that engine parameter (a 400)
@@ -101,7 +101,7 @@ class Delta:
     @property
     def error_status(self) -> int:
         """The HTTP status of its error: the client's input, the server stopping it, or a fault."""
-        return 400 if self.error_param else 503 if self.finish_reason == "abort" else 500
+        return 400 if self.error_param else 503 if self.finish_reason == FinishReason.ABORT else 500
 
 
 @dataclass
@@ -159,10 +159,10 @@ class Choice:
         piece = text.add(tokens)
         if out.finished:
             piece += text.finish()
-        reason = "stop" if text.stopped else out.finish_reason if out.finished else None
+        reason = FinishReason.STOP if text.stopped else out.finish_reason if out.finished else None
         error = None
-        if reason in ("error", "abort"):
-            error = out.error or ("request aborted" if reason == "abort" else "request failed")
+        if reason in (FinishReason.ERROR, FinishReason.ABORT):
+            error = out.error or ("request aborted" if reason == FinishReason.ABORT else "request failed")
         self.done = reason is not None
         return Delta(self.index, piece, tokens, logprobs, reason, error, text.stop_string, out.error_param)
 
@@ -179,8 +179,10 @@ class Generation:
         hidden_token_ids: frozenset[int] = frozenset(),
         names: Mapping[str, str] | None = None,
         thinking_budget: ThinkingBudget | None = None,
+        cache: CacheHints | None = None,
     ):
         """params[i][j]: sampling params of choice j of prompt i; choices are numbered prompt-major.
+        cache: every choice's cache domain and pins.
         hidden_token_ids: tokens that add no output text (they still count, and show in logprobs).
         names: the protocol's fields by engine parameter, for an error the request's input caused."""
         self.engine = engine
@@ -188,6 +190,7 @@ class Generation:
         self.hidden_token_ids = hidden_token_ids
         self.names = names or {}
         self.thinking_budget = thinking_budget
+        self.cache = cache
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.choices: list[Choice] = []
@@ -219,7 +222,7 @@ class Generation:
             return
         for c in self.choices:
             if not c.done:
-                self.events.put_nowait(Delta(c.index, "", [], [], "abort", reason))
+                self.events.put_nowait(Delta(c.index, "", [], [], FinishReason.ABORT, reason))
         self.close()
 
     def close(self) -> None:
@@ -280,7 +283,7 @@ class Generation:
                 c.first, c.earlier_output_tokens = c.last, len(closed)
                 left = None if c.params.max_tokens is None else c.params.max_tokens - len(closed)
                 if left is not None and left <= 0:
-                    self.events.put_nowait(Delta(c.index, text.finish(), [], [], "length"))
+                    self.events.put_nowait(Delta(c.index, text.finish(), [], [], FinishReason.LENGTH))
                     return
                 await self._segment(c, c.prompt + closed, replace(c.params, max_tokens=left), text, None)
         except Exception as e:
@@ -288,7 +291,9 @@ class Generation:
                 c.started.set_exception(e)
             else:
                 logger.exception("request %s failed", c.request_id)
-                self.events.put_nowait(Delta(c.index, "", [], [], "error", f"{type(e).__name__}: {e}"))
+                self.events.put_nowait(
+                    Delta(c.index, "", [], [], FinishReason.ERROR, f"{type(e).__name__}: {e}")
+                )
         finally:
             if not c.started.done():
                 c.started.cancel()
@@ -304,7 +309,7 @@ class Generation:
         """One engine request's outputs as deltas. With a budget: its output tokens, ending with the think
         end, when the answer is still to come (None when the output ended here)."""
         rid = c.request_id if budget is not None or c.first is None else f"{c.request_id}-answer"
-        stream = self.engine.generate(rid, prompt, params)
+        stream = self.engine.generate(rid, prompt, params, self.cache)
         tokens: list[int] = []
         try:
             async for out in stream:
@@ -330,7 +335,7 @@ class Generation:
                 self.events.put_nowait(delta)
                 if delta.finish_reason:
                     return None  # a stop string: closing the stream below aborts the request
-            self.events.put_nowait(Delta(c.index, "", [], [], "error", "stream ended early"))
+            self.events.put_nowait(Delta(c.index, "", [], [], FinishReason.ERROR, "stream ended early"))
             return None
         finally:
             await stream.aclose()
@@ -341,7 +346,7 @@ class Generation:
         if out.stop_token_id == budget.end:
             return True
         within_max = c.params.max_tokens is None or out.num_output_tokens < c.params.max_tokens
-        return out.finish_reason == "length" and within_max
+        return out.finish_reason == FinishReason.LENGTH and within_max
 
     def _record_metrics(self) -> None:
         if self.metrics is None:

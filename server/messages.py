@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 
-from minivllm.engine.sampling_params import TTL_DEFAULT_S, TTL_MAX_S
+from minivllm.cache.hints import TTL_DEFAULT_S, TTL_MAX_S
 from server import anthropic_protocol as a
 from server.conversation import (
     ChoiceMode,

@@ -4,7 +4,7 @@ another, so cached_tokens cannot reveal another client's prompt; within a domain
 import httpx
 import pytest
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, CacheHints, SamplingParams
 from minivllm.cache.page_hash import ROOT, extend_page_hashes, root_hash
 from tests.server_thread import ServerThread
 from tests.test_server import MODEL, tiny_settings
@@ -79,8 +79,8 @@ def test_salted_hashes_differ_from_page_zero_on():
 def test_single_flight_never_makes_a_follower_of_another_domain(tiny_model_dir):
     llm = LLM(tiny_model_dir, kv_cache_bytes=8 << 20, single_flight="at_completion")
     prompt = list(range(5, 70))
-    params = [SamplingParams(max_tokens=2, cache_salt=s) for s in ("x", "y", "x")]
-    outs = llm.generate([prompt] * 3, params)
+    hints = [CacheHints(salt=s) for s in ("x", "y", "x")]
+    outs = llm.generate([prompt] * 3, SamplingParams(max_tokens=2), cache=hints)
     restorable = (len(prompt) - 1) // 16 * 16
     assert [o.num_cached_tokens for o in outs] == [0, 0, restorable]  # only x's second restores x's pages
     flights = llm.engine.stats()

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, Adaptive, make_policy
+from minivllm.config import EVICTION_POLICIES, EngineConfig, Eviction
 
 
 def state(p: S3FIFO):
@@ -135,6 +136,16 @@ def test_capacity_one_never_crashes():
     assert run(p, ["a", "a", "b", "a"]) == [[], [], ["a"], ["b"]]
     # b pushes a (f1) out of S; M has size 0 so a is evicted, not kept
     assert len(p) == 1 and "a" in p and p.ghost_keys() == []
+
+
+def test_the_policy_names_are_the_configs_and_each_builds_its_policy():
+    """One list of names (minivllm.config.Eviction): the settings accept exactly the policies there are."""
+    assert POLICIES == tuple(m.value for m in Eviction) == EVICTION_POLICIES
+    built = {name: type(make_policy(name, 8)) for name in POLICIES}
+    assert built == {"adaptive": Adaptive, "s3fifo": S3FIFO, "lru": LRU, "fifo": FIFO}
+    assert EngineConfig(eviction="lru").eviction is Eviction.LRU
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("lfu", 8)
 
 
 @pytest.mark.parametrize("name", POLICIES)

@@ -10,7 +10,8 @@ import pytest
 
 from minivllm import LLM, EngineConfig, GenerationError, SamplingParams
 from minivllm.engine.async_engine import AsyncEngine
-from minivllm.engine.llm_engine import LLMEngine, RequestOutput
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
 from tests.test_engine import random_prompts
 
 

@@ -63,5 +63,5 @@ def test_concurrent_decodes_in_the_engine_keep_their_contexts_in_few_runs(tiny_m
     most = 0
     while engine.has_unfinished_requests():
         engine.step()
-        most = max([most] + [runs(s.page_table) for s in engine.scheduler.running])
+        most = max([most] + [runs(s.cache.page_table) for s in engine.scheduler.running])
     assert most <= 2

@@ -20,13 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 import minivllm.models.default_model as dm
 import server.prompts as prompts_module
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, QueueFull
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampler import sample
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.sequence import Sequence
 from minivllm.models import loader
 from minivllm.models.gguf_import import conversion_temp_prefixes
 from minivllm.models.loader import load_tokenizer
+from minivllm.outputs import QueueFull
 from server.prompts import PromptBuilder
 from tests.server_thread import ServerThread, assert_error, tiny_settings
 from tests.tiny_model import make_tiny_model

@@ -298,7 +298,11 @@ def test_a_read_makes_only_its_own_request_wait(tiny_model_dir, reference, tmp_p
     for _ in range(6):
         engine.step()
         engine.check_invariants()
-    assert len(busy.output_token_ids) >= 5 and slow.num_computed_tokens == 0 and engine.kv.is_restoring(slow)
+    assert (
+        len(busy.output_token_ids) >= 5
+        and slow.num_computed_tokens == 0
+        and engine.kv.is_restoring(slow.cache)
+    )
     release.set()
     while engine.has_unfinished_requests():
         engine.step()

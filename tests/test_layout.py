@@ -1,8 +1,9 @@
 """The architecture as a test: imports point down only, and no module imports itself back.
 
 Each project unit may import only the units listed for it (the same rules its `__init__` docstring states);
-a module-level import cycle anywhere fails too. Imports inside functions count (a lazy import is still a
-dependency); imports under `if TYPE_CHECKING:` do not (they never run).
+an import cycle anywhere fails too. Imports inside functions count (a lazy import is still a dependency),
+and so do imports under `if TYPE_CHECKING:` (they never run, but a type one module needs of another is a
+dependency all the same: a cycle hidden there is still a cycle).
 """
 
 import ast
@@ -17,10 +18,17 @@ PACKAGES = ("kernels", "minivllm", "server")
 RULES: dict[str, set[str]] = {
     "kernels": set(),
     "minivllm.config": set(),
-    "minivllm.cache": set(),
+    "minivllm.cache": {"minivllm.config"},
     "minivllm.cluster": set(),
     "minivllm.models": {"kernels"},
-    "minivllm.engine": {"minivllm.cache", "minivllm.models", "minivllm.config", "kernels"},
+    "minivllm.outputs": {"minivllm.cache", "minivllm.config"},
+    "minivllm.engine": {
+        "minivllm.cache",
+        "minivllm.models",
+        "minivllm.config",
+        "minivllm.outputs",
+        "kernels",
+    },
     "minivllm": {"minivllm", "kernels"},  # the entry points: llm, cli, replay, the package itself
     "server": {"server", "minivllm", "kernels"},
 }
@@ -38,24 +46,9 @@ def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(tree: ast.AST):
-    """Every import statement, skipping `if TYPE_CHECKING:` bodies."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        stack.extend(ast.iter_child_nodes(node))
+    """Every import statement: at module level, in functions, under `if TYPE_CHECKING:`."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -170,6 +163,17 @@ def test_the_single_process_server_never_imports_ray():
     assert out.stdout.strip() == "2 []"
 
 
+def test_the_cache_and_the_engines_request_know_nothing_of_each_other():
+    """The KV cache keeps its per-request state in its own KVRequest, which the engine's Sequence holds:
+    neither module imports the other's side, not even for a type."""
+    modules = module_files(REPO, ("minivllm", "kernels"))
+    sequence = imports_of("minivllm.engine.sequence", modules["minivllm.engine.sequence"], modules)
+    assert not {m for m in sequence if m.startswith("minivllm.cache")}
+    for name, path in modules.items():
+        if name.startswith("minivllm.cache"):
+            assert not {m for m in imports_of(name, path, modules) if m.startswith("minivllm.engine")}, name
+
+
 POOL_INTERNALS = {"pool", "refcount", "page_hash", "page_tokens", "children", "policy"}
 
 
@@ -212,10 +216,10 @@ ENGINE_PUBLIC = {
     "minivllm.shadow",
     "minivllm.cluster.routing",
     "minivllm.cache.page_hash",  # the chained page hash, which the replica router computes too
+    "minivllm.cache.hints",  # a request's cache domain and pins
     "minivllm.engine.async_engine",
-    "minivllm.engine.llm_engine",
     "minivllm.engine.sampling_params",
-    "minivllm.engine.sequence",
+    "minivllm.outputs",  # the engine's results: outputs, logprobs, finish reasons
     "minivllm.engine.validation",
     "minivllm.engine.grammar",
     "minivllm.models.loader",
@@ -251,7 +255,7 @@ def test_checker_passes_a_clean_tree(tmp_path):
             "core/model.py": "from core.util import os\nfrom . import util\n",
             "app/__init__.py": "from core import model\n",
             "app/main.py": "import core.model\nfrom app import helpers\n",
-            "app/helpers.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.main import x\n",
+            "app/helpers.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core.util import x\n",
         },
     )
     assert check_tree(tmp_path, ("app", "core"), SYNTHETIC_RULES) == []
@@ -272,3 +276,15 @@ def test_checker_finds_a_cycle_and_an_upward_import(tmp_path):
     assert "import cycle: app.main <-> app.settings" in problems
     assert any(p.startswith("core.model imports app.main") for p in problems)
     assert len(problems) == 2
+
+
+def test_checker_finds_a_cycle_hidden_under_type_checking(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "core/__init__.py": "",
+            "core/pages.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core.request import R\n",
+            "core/request.py": "from core.pages import P\n",
+        },
+    )
+    assert check_tree(tmp_path, ("core",), SYNTHETIC_RULES) == ["import cycle: core.pages <-> core.request"]

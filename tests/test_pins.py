@@ -3,8 +3,8 @@ by hits, and pins stay within half the pool; and the explanation of a restore th
 
 import pytest
 
-from minivllm import SamplingParams
-from minivllm.cache.kv_manager import PrefixMiss
+from minivllm import CacheHints, SamplingParams
+from minivllm.cache.kv_request import PrefixMiss
 from minivllm.cache.pins import Pins
 from tests.test_engine import random_prompts
 from tests.test_prefix_cache import PAGE_BYTES, make_engine, run
@@ -30,7 +30,8 @@ def pool_engine(model_dir, clock: Clock | None = None, eviction: str = "adaptive
 
 
 def ask(engine, rid, prompt, pins=(), n=4):
-    seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True, pins=pins))
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    seq = engine.add_request(rid, prompt, params, cache=CacheHints(pins=pins))
     run(engine, check=True)
     return seq
 
@@ -49,14 +50,14 @@ def test_a_pinned_prefix_survives_a_flood_that_evicts_everything_else(tiny_model
     engine = pool_engine(tiny_model_dir, eviction=eviction)
     other = random_prompts([161], seed=98)[0]
     first = ask(engine, "pinned", PINNED, pins=((len(PINNED), 300.0),))
-    assert first.pins[0].pages == 10 and first.pins[0].tokens == 160
+    assert first.cache.pins[0].pages == 10 and first.cache.pins[0].tokens == 160
     ask(engine, "unpinned", other)
     flood(engine, seed=1)
     again = ask(engine, "pinned-again", PINNED)
-    assert again.num_cached_tokens == 160 and again.prefix_miss is None  # restored in full
+    assert again.num_cached_tokens == 160 and again.cache.prefix_miss is None  # restored in full
     lost = ask(engine, "unpinned-again", other)
     assert lost.num_cached_tokens == 0  # the flood evicted what was not pinned
-    assert lost.prefix_miss == PrefixMiss(0, "evicted")
+    assert lost.cache.prefix_miss == PrefixMiss(0, "evicted")
 
 
 def test_a_pin_is_released_at_its_ttl_and_refreshed_by_a_hit(tiny_model_dir):
@@ -73,7 +74,7 @@ def test_a_pin_is_released_at_its_ttl_and_refreshed_by_a_hit(tiny_model_dir):
     flood(engine, seed=3)
     stats = engine.stats()
     assert stats["pages_pinned"] == 0 and stats["pins_expired"] == 1
-    assert ask(engine, "expired", PINNED).prefix_miss == PrefixMiss(0, "evicted")
+    assert ask(engine, "expired", PINNED).cache.prefix_miss == PrefixMiss(0, "evicted")
 
 
 def test_pins_stay_within_half_the_pool_and_the_oldest_give_way(tiny_model_dir):
@@ -113,7 +114,7 @@ def test_a_new_pin_makes_the_least_recently_refreshed_give_way():
 def test_a_pin_covers_whole_pages_of_the_tokens_it_names(tiny_model_dir):
     engine = pool_engine(tiny_model_dir)
     seq = ask(engine, "part", PINNED, pins=((47, 300.0), (100, 60.0)))
-    assert [(p.tokens, p.pages) for p in seq.pins] == [(32, 2), (96, 6)]
+    assert [(p.tokens, p.pages) for p in seq.cache.pins] == [(32, 2), (96, 6)]
     assert engine.stats()["pages_pinned"] == 6  # the shorter pin's pages are the longer one's
 
 
@@ -123,16 +124,16 @@ def test_a_restore_that_stops_short_says_where_and_why(tiny_model_dir):
     changed = list(PINNED)
     changed[70] = (changed[70] + 1) % 384  # page 4
     seq = ask(engine, "changed", changed)
-    assert seq.num_cached_tokens == 64 and seq.prefix_miss == PrefixMiss(70, "new")  # the changed token
-    assert ask(engine, "same", PINNED).prefix_miss is None
+    assert seq.num_cached_tokens == 64 and seq.cache.prefix_miss == PrefixMiss(70, "new")  # the changed token
+    assert ask(engine, "same", PINNED).cache.prefix_miss is None
     fresh = ask(engine, "fresh", random_prompts([100], seed=5)[0])
-    assert fresh.prefix_miss == PrefixMiss(0, "new")
+    assert fresh.cache.prefix_miss == PrefixMiss(0, "new")
 
 
 @pytest.mark.parametrize("pins", [((0, 300.0),), ((16, 0.0),), ((16, 3601.0),), ((True, 60.0),)])
 def test_bad_pins_are_refused(pins):
     with pytest.raises(ValueError, match="pins"):
-        SamplingParams(pins=pins)
+        CacheHints(pins=pins)
 
 
 def test_pins_give_way_to_a_request_that_could_not_fit_beside_them(tiny_model_dir):

@@ -47,11 +47,11 @@ def test_repeated_prompt_restores_whole_pages_but_the_last_token(tiny_model_dir,
     assert warm.output_token_ids == cold.output_token_ids
     # every full page the cold run computed is published (the last sampled token has no KV yet);
     # the warm run's recomputed pages are twins of published ones and stay private
-    assert cold.num_pages_published == (n + 8 - 1) // 16
-    assert warm.num_pages_published == 0
+    assert cold.cache.num_pages_published == (n + 8 - 1) // 16
+    assert warm.cache.num_pages_published == 0
     # the prompt tokens of the published pages: the prompt's whole pages, created by the cold run only
-    assert cold.num_published_prompt_tokens == n // 16 * 16
-    assert warm.num_published_prompt_tokens == 0
+    assert cold.cache.num_published_prompt_tokens == n // 16 * 16
+    assert warm.cache.num_published_prompt_tokens == 0
     stats = engine.stats()
     assert stats["prefix_hit_tokens"] == restored and stats["prefix_query_tokens"] == 2 * n
 
@@ -75,8 +75,8 @@ def test_incremental_publication_serves_a_request_that_is_still_decoding(tiny_mo
     assert not first.is_finished
     assert second.num_cached_tokens == 96
     # both share the same physical pages for the prefix
-    assert second.page_table[:6] == first.page_table[:6]
-    assert all(engine.kv.pool.refcount[p] == 2 for p in first.page_table[:6])
+    assert second.cache.page_table[:6] == first.cache.page_table[:6]
+    assert all(engine.kv.pool.refcount[p] == 2 for p in first.cache.page_table[:6])
     run(engine, check=True)
 
 
@@ -131,7 +131,7 @@ def test_a_hash_collision_is_caught_by_the_token_comparison(tiny_model_dir, monk
     a, b = random_prompts([64, 64], seed=7)
     seq_a = generate(engine, "a", a)
     seq_b = generate(engine, "b", b)
-    assert seq_b.page_hashes[:3] == seq_a.page_hashes[:3]  # the stub made them collide
+    assert seq_b.cache.page_hashes[:3] == seq_a.cache.page_hashes[:3]  # the stub made them collide
     assert seq_b.num_cached_tokens == 0
     uncached = make_engine(tiny_model_dir, enable_prefix_caching=False)
     assert seq_b.output_token_ids == generate(uncached, "b", b).output_token_ids

@@ -258,16 +258,18 @@ def test_an_engine_fault_fails_the_response(server, monkeypatch):
 
 def test_a_request_the_server_aborts_ends_with_an_error_event(server, monkeypatch):
     """An abort (the server shutting down) is no fault of the response: an `error` event, or a 503."""
-    from minivllm.engine.llm_engine import RequestOutput
+    from minivllm.outputs import FinishReason, RequestOutput
 
     engine = server.app.state.server.engine
     generate = engine.generate
 
-    async def aborted_after_one_output(rid, prompt, params):
-        async for out in generate(rid, prompt, params):
+    async def aborted_after_one_output(rid, prompt, params, cache=None):
+        async for out in generate(rid, prompt, params, cache):
             yield out
             break  # closing the engine's stream aborts the request there
-        yield RequestOutput(rid, [], finished=True, finish_reason="abort", error="server shutting down")
+        yield RequestOutput(
+            rid, [], finished=True, finish_reason=FinishReason.ABORT, error="server shutting down"
+        )
 
     monkeypatch.setattr(engine, "generate", aborted_after_one_output)
     assert assert_error(_post(server, {"input": ASK}), 503)["message"] == "server shutting down"

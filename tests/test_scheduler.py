@@ -10,6 +10,7 @@ import pytest
 from minivllm.cache.kv_manager import KVManager
 from minivllm.config import EngineConfig
 from minivllm.engine.grammar import MaskCounters
+from minivllm.engine.llm_engine import new_sequence
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler, fair_shares
 from minivllm.engine.sequence import Sequence
@@ -40,14 +41,14 @@ def make(num_pages=16, budget=8, max_model_len=256, **config) -> Scheduler:
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
-    return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens))
+    return new_sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens))
 
 
 def step(s: Scheduler) -> ScheduledStep:
     scheduled = s.schedule()
     if scheduled:
         s.postprocess(scheduled, fake_run(scheduled))
-    s.kv.check_invariants(s.running)
+    s.kv.check_invariants([seq.cache for seq in s.running])
     return scheduled
 
 

@@ -3,8 +3,7 @@
 import pytest
 
 from minivllm import LLM, EngineConfig, SamplingParams
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.llm_engine import LLMEngine, new_sequence
 from minivllm.engine.single_flight import FlightCoordinator
 from tests.test_engine import random_prompts
 from tests.tiny_model import BYTES_PER_PAGE
@@ -140,7 +139,7 @@ def test_off_reproduces_independent_execution(tiny_model_dir, prompt, independen
 
 def test_preempted_leader_hands_over_before_publishing():
     flights = FlightCoordinator("at_completion")
-    a, b, c = (Sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(3))
+    a, b, c = (new_sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(3))
     for s in (a, b, c):
         flights.join(s)
     flights.hand_over(a)
@@ -149,12 +148,12 @@ def test_preempted_leader_hands_over_before_publishing():
 
 def test_released_ids_are_kept_until_termination_and_unknown_ids_are_errors():
     flights = FlightCoordinator("after_prefill")
-    leader, follower = (Sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(2))
+    leader, follower = (new_sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(2))
     flights.join(leader)
     flights.join(follower)
     flights.release(leader)
     assert not flights.flights and not flights.is_waiting(follower)
-    again = Sequence("r2", [1, 2, 3], SamplingParams())
+    again = new_sequence("r2", [1, 2, 3], SamplingParams())
     flights.join(again)
     assert again.flight_role == "leader"  # a later identical request starts a new flight
     flights.terminate(follower)

@@ -15,10 +15,9 @@ from scipy.stats import chi2
 from minivllm import SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine import scheduler as scheduler_module
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, new_sequence
 from minivllm.engine.ngram_draft import MAX_PAUSE, DraftState, accepted_tokens, propose
 from minivllm.engine.sampling_params import StructuredOutput
-from minivllm.engine.sequence import Sequence
 from tests.reference import MlxLmReference
 from tests.test_engine import greedy, random_prompts
 from tests.tiny_model import BYTES_PER_PAGE, make_tiny_model
@@ -60,7 +59,7 @@ def run(engine: LLMEngine, requests: dict, arrivals: dict | None = None, after_s
             seen[out.request_id] = (seen[out.request_id][0] + out.new_token_ids, out.finish_reason)
         engine.check_invariants()
         for seq in engine.scheduler.running:
-            assert len(seq.page_table) <= engine.kv.pages_for(len(seq.token_ids)), seq.request_id
+            assert len(seq.cache.page_table) <= engine.kv.pages_for(len(seq.token_ids)), seq.request_id
             assert not seq.draft_token_ids
         if after_step:
             after_step(engine)
@@ -82,7 +81,7 @@ def only_true_pages(truths: list[list[int]], page_size: int):
     """An after_step check: every published page is a page of one of the true token sequences."""
     valid = set()
     for truth in truths:
-        valid.update(Sequence("t", truth, SamplingParams()).full_page_hashes(page_size))
+        valid.update(new_sequence("t", truth, SamplingParams()).cache.full_page_hashes(page_size))
 
     def check(engine: LLMEngine) -> None:
         assert set(engine.kv.pool.index) <= valid, "a page of tokens no request has was published"

@@ -5,5 +5,5 @@
 hashes), `eviction` (the eviction policies, the very classes the trace replay runs), and the disk tier
 under the pool: `disk_tier` (the index, budget, writer and reader threads) over `page_file` (one page per
 file, with the model's identity and a checksum). Plain Python and numpy with no MLX: it may import nothing
-of minivllm but itself.
+of minivllm but itself and `minivllm.config` (the eviction policies' names).
 """

@@ -33,7 +33,9 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-POLICIES = ("adaptive", "s3fifo", "lru", "fifo")
+from minivllm.config import EVICTION_POLICIES
+
+POLICIES = EVICTION_POLICIES  # the names are minivllm.config.Eviction's; make_policy builds each
 
 
 class EvictionPolicy:

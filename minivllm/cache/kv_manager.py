@@ -3,8 +3,8 @@ may be evicted.
 
 The scheduler decides who runs and asks this manager whether the pages are there ("can this request be
 admitted", "give it room for N tokens", "publish what the step computed", "release"). A request's page
-table lives on its Sequence (the runner reads it to build the step's layout) but only this manager
-changes it. The PagePool is the storage bookkeeping (refcounts, free list, the chained-hash index); the
+table lives in its KVRequest (minivllm.cache.kv_request), which the engine's request holds (the runner
+reads the table to build the step's layout), but only this manager changes it. The PagePool is the storage bookkeeping (refcounts, free list, the chained-hash index); the
 eviction policy (minivllm.cache.eviction) picks victims inside it.
 
 With a disk tier (minivllm.cache.disk_tier) under the pool, a prefix lookup continues on disk where RAM
@@ -15,7 +15,7 @@ after the step (`write_behind`). The KV bytes move between the pools and numpy o
 callbacks): nothing here touches MLX.
 
 Pins (minivllm.cache.pins) keep a prefix cached for a TTL: the pool never evicts a pinned page. A request
-that asks for pins (SamplingParams.pins) pins its published prompt prefixes when it ends; a restore of a
+that asks for pins (CacheHints.pins) pins its published prompt prefixes when it ends; a restore of a
 pinned prefix refreshes its pin. With a disk tier, pinned pages are also written to disk (if the disk lacks
 them), and the disk keeps them while they are pinned. At a request's first admission its restore is
 explained: where it stopped short, and why (PrefixMiss).
@@ -24,17 +24,14 @@ explained: where it stopped short, and why (PrefixMiss).
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minivllm.cache.disk_tier import DiskRead, DiskTier, PageRecord
 from minivllm.cache.eviction import make_policy
+from minivllm.cache.kv_request import KVRequest, MissReason, PrefixMiss
 from minivllm.cache.page_pool import PagePool, PoolCounters
 from minivllm.cache.pins import PinChange, PinCounters, PinInfo, Pins
-
-if TYPE_CHECKING:  # the engine's request state: page_table, token_ids, num_computed_tokens, ...
-    from minivllm.engine.sequence import Sequence
 
 
 @dataclass
@@ -51,17 +48,9 @@ class PoolState:
 class DiskRestore:
     """A request's prefix pages being read from disk into the pool pages page_table[first:] holds."""
 
-    seq: "Sequence"
+    req: KVRequest
     first: int
     read: DiskRead
-
-
-@dataclass(frozen=True)
-class PrefixMiss:
-    """Why a prompt restored less than it could: the first page of it the cache did not hold."""
-
-    token: int  # the first token that differs from the cached prompts (new), or the page's first (evicted)
-    reason: str  # "evicted": cached once and given up lately; "new": never cached (or long ago); "off"
 
 
 @dataclass
@@ -90,7 +79,7 @@ class KVManager:
         self.pool = self._new_pool(PoolCounters())
         self.pins = self._new_pins(PinCounters())
         self.disk = disk
-        self.restores: dict[Sequence, DiskRestore] = {}  # requests waiting for pages from disk
+        self.restores: dict[KVRequest, DiskRestore] = {}  # requests waiting for pages from disk
         self._disk_writes: list[PageWrite] = []
 
     def _new_pool(self, counters: PoolCounters) -> PagePool:
@@ -107,17 +96,17 @@ class KVManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def pages_short(self, seq: "Sequence", num_tokens: int) -> int:
-        """Pages seq lacks to hold num_tokens (<= 0: none)."""
-        return self.pages_for(num_tokens) - len(seq.page_table)
+    def pages_short(self, req: KVRequest, num_tokens: int) -> int:
+        """Pages req lacks to hold num_tokens (<= 0: none)."""
+        return self.pages_for(num_tokens) - len(req.page_table)
 
     def num_available(self) -> int:
         """Pages an allocation can get now: free ones plus cached ones it may evict."""
         return self.pool.num_available()
 
-    def free_room(self, seq: "Sequence") -> int:
-        """Tokens seq can hold in its pages and the free ones, evicting no cached page (a draft's room)."""
-        return (len(seq.page_table) + self.pool.num_free) * self.page_size
+    def free_room(self, req: KVRequest) -> int:
+        """Tokens req can hold in its pages and the free ones, evicting no cached page (a draft's room)."""
+        return (len(req.page_table) + self.pool.num_free) * self.page_size
 
     def state(self) -> PoolState:
         p = self.pool
@@ -127,52 +116,53 @@ class KVManager:
     def counters(self) -> PoolCounters:
         return self.pool.counters
 
-    def cached_prefix_pages(self, seq: "Sequence") -> int:
-        """How many pages of seq's longest cached prefix admission would restore now."""
-        return len(self._cached_prefix(seq))
+    def cached_prefix_pages(self, req: KVRequest) -> int:
+        """How many pages of req's longest cached prefix admission would restore now."""
+        return len(self._cached_prefix(req))
 
-    def _cached_prefix(self, seq: "Sequence") -> list[int]:
-        """The pages of seq's longest cached prefix. The last token is always computed, for its logits:
+    def _cached_prefix(self, req: KVRequest) -> list[int]:
+        """The pages of req's longest cached prefix. The last token is always computed, for its logits:
         at most floor((N-1)/P) pages of N tokens."""
         if not self.enable_prefix_caching:
             return []
-        hashes = seq.full_page_hashes(self.page_size)
-        return self.pool.lookup(hashes, seq.token_ids, self._restorable_pages(seq))
+        hashes = req.full_page_hashes(self.page_size)
+        return self.pool.lookup(hashes, req.token_ids, self._restorable_pages(req))
 
-    def _restorable_pages(self, seq: "Sequence") -> int:
-        return (len(seq.token_ids) - 1) // self.page_size
+    def _restorable_pages(self, req: KVRequest) -> int:
+        return (len(req.token_ids) - 1) // self.page_size
 
-    def _on_disk(self, seq: "Sequence", first: int) -> list[PageRecord]:
-        """The pages on disk that continue seq's cached prefix from page `first` on."""
+    def _on_disk(self, req: KVRequest, first: int) -> list[PageRecord]:
+        """The pages on disk that continue req's cached prefix from page `first` on."""
         if self.disk is None or not self.enable_prefix_caching:
             return []
-        hashes = seq.full_page_hashes(self.page_size)[first : self._restorable_pages(seq)]
-        return self.disk.lookup(hashes, seq.token_ids, first)
+        hashes = req.full_page_hashes(self.page_size)[first : self._restorable_pages(req)]
+        return self.disk.lookup(hashes, req.token_ids, first)
 
     # -- a request's pages ----------------------------------------------------------------------------
-    def admit(self, seq: "Sequence") -> int | None:
-        """Restore seq's longest cached prefix and allocate pages for the rest of its tokens; the tokens
+    def admit(self, req: KVRequest) -> int | None:
+        """Restore req's longest cached prefix and allocate pages for the rest of its tokens; the tokens
         restored from RAM, or None (nothing changed) when the pool cannot hold it now. Pages the disk
-        tier continues the prefix with start being read into the first allocated pages: seq is
+        tier continues the prefix with start being read into the first allocated pages: req is
         restoring until apply_restores."""
-        hits = self._cached_prefix(seq)
-        need = self.pages_for(len(seq.token_ids)) - len(hits)
+        hits = self._cached_prefix(req)
+        need = self.pages_for(len(req.token_ids)) - len(hits)
         self._unblock(hits, need)
         # acquiring un-caches them (pinned ones were not counted as available)
         taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0 and not self.pool.is_idle_pin(p))
         if need > self.num_available() - taken_off_cache:
             return None
-        on_disk = self._on_disk(seq, len(hits))
-        if seq.num_admissions == 0:  # before the allocation evicts what the prompt is compared with
-            seq.prefix_miss = self._miss(seq, len(hits) + len(on_disk))
+        on_disk = self._on_disk(req, len(hits))
+        if not req.admitted:  # before the allocation evicts what the prompt is compared with
+            req.prefix_miss = self._miss(req, len(hits) + len(on_disk))
+        req.admitted = True
         self.pool.acquire(hits)
-        self.pins.refresh(seq.full_page_hashes(self.page_size)[: len(hits)])
-        seq.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
-        seq.num_computed_tokens = len(hits) * self.page_size
-        seq.publish_cursor = len(hits)
+        self.pins.refresh(req.full_page_hashes(self.page_size)[: len(hits)])
+        req.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
+        req.num_computed_tokens = len(hits) * self.page_size
+        req.publish_cursor = len(hits)
         if on_disk:
-            self.restores[seq] = DiskRestore(seq, len(hits), self.disk.read(on_disk))
-        return seq.num_computed_tokens
+            self.restores[req] = DiskRestore(req, len(hits), self.disk.read(on_disk))
+        return req.num_computed_tokens
 
     def _unblock(self, hits: list[int], need: int) -> None:
         """Pins never keep a request out for good: while it could not fit even with every unpinned page
@@ -186,31 +176,31 @@ class KVManager:
                 return
             self._unpin(self.pins.give_way())
 
-    def _miss(self, seq: "Sequence", found: int) -> PrefixMiss | None:
-        """Why seq's restore stops at page `found` (RAM and disk together), or None if it restores all
+    def _miss(self, req: KVRequest, found: int) -> PrefixMiss | None:
+        """Why req's restore stops at page `found` (RAM and disk together), or None if it restores all
         it may. A page the pool evicted lately is "evicted" (a bounded memory: long ago counts as new)."""
-        if found >= self._restorable_pages(seq):
+        if found >= self._restorable_pages(req):
             return None
         if not self.enable_prefix_caching:
-            return PrefixMiss(0, "off")
-        hashes = seq.full_page_hashes(self.page_size)
+            return PrefixMiss(0, MissReason.OFF)
+        hashes = req.full_page_hashes(self.page_size)
         if hashes[found] in self.pool.evicted:
-            return PrefixMiss(found * self.page_size, "evicted")
-        return PrefixMiss(self._divergence(seq, found, hashes), "new")
+            return PrefixMiss(found * self.page_size, MissReason.EVICTED)
+        return PrefixMiss(self._divergence(req, found, hashes), MissReason.NEW)
 
-    def _divergence(self, seq: "Sequence", found: int, hashes: list[bytes]) -> int:
+    def _divergence(self, req: KVRequest, found: int, hashes: list[bytes]) -> int:
         """The first token of page `found` that no cached continuation of the pages before it has: where
-        seq's prompt differs from the cached ones (the page's start if nothing continues them)."""
+        req's prompt differs from the cached ones (the page's start if nothing continues them)."""
         start = found * self.page_size
-        mine = seq.token_ids[start : start + self.page_size]
+        mine = req.token_ids[start : start + self.page_size]
         same = 0
         for child in self.pool.children.get(hashes[found - 1], ()) if found else ():
             theirs = self.pool.page_tokens[self.pool.index[child]]
             same = max(same, next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(mine)))
         return start + same
 
-    def is_restoring(self, seq: "Sequence") -> bool:
-        return seq in self.restores
+    def is_restoring(self, req: KVRequest) -> bool:
+        return req in self.restores
 
     def wait_for_restores(self, timeout: float) -> None:
         """Until a pending disk read is done (the engine has nothing else to step), at most timeout s."""
@@ -219,101 +209,100 @@ class KVManager:
 
     def apply_restores(
         self, write_pages: Callable[[list[int], np.ndarray], None]
-    ) -> list[tuple["Sequence", int]]:
+    ) -> list[tuple[KVRequest, int]]:
         """Finish the disk reads that are done: write_pages(pages, payloads) puts the bytes into the pools
         (the engine's runner, on the stepping thread), then the pages are published and computed. Each
         request with the tokens it got from disk (a prefix of what it asked for: the first page the
         disk could not serve, and those after it, are computed instead)."""
         restored = []
         for r in [r for r in self.restores.values() if r.read.done]:
-            del self.restores[r.seq]
+            del self.restores[r.req]
             n = r.read.num_ok
             if n:
-                write_pages(r.seq.page_table[r.first : r.first + n], r.read.payloads[:n])
-            self._publish_restored(r.seq, r.first, n)
-            restored.append((r.seq, n * self.page_size))
+                write_pages(r.req.page_table[r.first : r.first + n], r.read.payloads[:n])
+            self._publish_restored(r.req, r.first, n)
+            restored.append((r.req, n * self.page_size))
         return restored
 
-    def _publish_restored(self, seq: "Sequence", first: int, n: int) -> None:
-        hashes = seq.full_page_hashes(self.page_size)
+    def _publish_restored(self, req: KVRequest, first: int, n: int) -> None:
+        hashes = req.full_page_hashes(self.page_size)
         for i in range(first, first + n):
-            tokens = seq.token_ids[i * self.page_size : (i + 1) * self.page_size]
+            tokens = req.token_ids[i * self.page_size : (i + 1) * self.page_size]
             parent = hashes[i - 1] if i else None
-            self.pool.publish(seq.page_table[i], hashes[i], parent, tokens)  # a twin stays private
-        seq.num_computed_tokens = (first + n) * self.page_size
-        seq.publish_cursor = first + n
+            self.pool.publish(req.page_table[i], hashes[i], parent, tokens)  # a twin stays private
+        req.num_computed_tokens = (first + n) * self.page_size
+        req.publish_cursor = first + n
         self.pool.counters.pages_from_disk += n
 
-    def _cancel_restore(self, seq: "Sequence") -> None:
-        r = self.restores.pop(seq, None)
+    def _cancel_restore(self, req: KVRequest) -> None:
+        r = self.restores.pop(req, None)
         if r is not None:
             r.read.cancelled = True  # the reader stops; its bytes are never applied
 
-    def grow(self, seq: "Sequence", num_tokens: int) -> None:
-        """Give seq pages for num_tokens (the caller checked that they are available)."""
-        need = self.pages_short(seq, num_tokens)
+    def grow(self, req: KVRequest, num_tokens: int) -> None:
+        """Give req pages for num_tokens (the caller checked that they are available)."""
+        need = self.pages_short(req, num_tokens)
         if need > 0:
-            after = seq.page_table[-1] if seq.page_table else None
-            seq.page_table.extend(self.pool.allocate(need, after=after))
+            after = req.page_table[-1] if req.page_table else None
+            req.page_table.extend(self.pool.allocate(need, after=after))
 
-    def truncate(self, seq: "Sequence", num_tokens: int) -> None:
-        """Give back seq's pages past those holding num_tokens tokens: after a verification, the pages
+    def truncate(self, req: KVRequest, num_tokens: int) -> None:
+        """Give back req's pages past those holding num_tokens tokens: after a verification, the pages
         only rejected drafted tokens were written to. They were allocated for this request alone and
         never published (publication stops at the accepted, computed tokens): they go back free."""
         keep = self.pages_for(num_tokens)
-        tail = seq.page_table[keep:]
+        tail = req.page_table[keep:]
         for page in tail:
             assert self.pool.refcount[page] == 1 and self.pool.page_hash[page] is None, (
-                f"page {page} past the accepted tokens of {seq.request_id} is shared or published"
+                f"page {page} past the accepted tokens of {req.request_id} is shared or published"
             )
         self.pool.release(tail)
-        del seq.page_table[keep:]
-        seq.publish_cursor = min(seq.publish_cursor, keep)
+        del req.page_table[keep:]
+        req.publish_cursor = min(req.publish_cursor, keep)
 
-    def publish(self, seq: "Sequence") -> None:
+    def publish(self, req: KVRequest) -> None:
         """Publish every full page whose KV is computed (and evaluated: the engine calls this after the
         step's evaluation)."""
         if not self.enable_prefix_caching:
             return
-        hashes = seq.full_page_hashes(self.page_size)
-        full = min(seq.num_computed_tokens // self.page_size, len(hashes))
-        for i in range(seq.publish_cursor, full):
+        hashes = req.full_page_hashes(self.page_size)
+        full = min(req.num_computed_tokens // self.page_size, len(hashes))
+        for i in range(req.publish_cursor, full):
             end = (i + 1) * self.page_size
-            tokens = seq.token_ids[end - self.page_size : end]
+            tokens = req.token_ids[end - self.page_size : end]
             parent = hashes[i - 1] if i else None
-            if self.pool.publish(seq.page_table[i], hashes[i], parent, tokens):
-                seq.num_pages_published += 1
+            if self.pool.publish(req.page_table[i], hashes[i], parent, tokens):
+                req.num_pages_published += 1
                 # a page wholly within the prompt is prompt cache a later request can restore
-                # (Anthropic's usage counts it as cache creation)
-                if end <= seq.num_prompt_tokens:
-                    seq.num_published_prompt_tokens += self.page_size
-                self._write_to_disk(seq, i, seq.page_table[i])
-        seq.publish_cursor = max(seq.publish_cursor, full)
+                if end <= req.num_prompt_tokens:
+                    req.num_published_prompt_tokens += self.page_size
+                self._write_to_disk(req, i, req.page_table[i])
+        req.publish_cursor = max(req.publish_cursor, full)
 
-    def _write_to_disk(self, seq: "Sequence", i: int, page: int) -> None:
-        """Queue page i of seq's tokens, held by pool page `page`, for the disk tier (written after the
+    def _write_to_disk(self, req: KVRequest, i: int, page: int) -> None:
+        """Queue page i of req's tokens, held by pool page `page`, for the disk tier (written after the
         step, if the disk lacks it)."""
         if self.disk is None:
             return
-        hashes = seq.full_page_hashes(self.page_size)
-        tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+        hashes = req.full_page_hashes(self.page_size)
+        tokens = tuple(req.token_ids[i * self.page_size : (i + 1) * self.page_size])
         record = PageRecord(hashes[i], hashes[i - 1] if i else None, tokens)
         self._disk_writes.append(PageWrite(page, record))
 
     # -- pins -----------------------------------------------------------------------------------------
-    def pin(self, seq: "Sequence") -> None:
-        """Pin the prompt prefixes seq asked for (params.pins: tokens, TTL), as far as they are published;
-        seq.pins says what each got. Called before seq releases its pages."""
-        for tokens, ttl_s in seq.params.pins:
-            n = min(tokens, seq.num_prompt_tokens) // self.page_size
-            hashes = seq.full_page_hashes(self.page_size)[:n]
-            pages = self.pool.lookup(hashes, seq.token_ids, min(n, self.pins.limit))
+    def pin(self, req: KVRequest) -> None:
+        """Pin the prompt prefixes req asked for (hints.pins: tokens, TTL), as far as they are published;
+        req.pins says what each got. Called before req releases its pages."""
+        for tokens, ttl_s in req.hints.pins:
+            n = min(tokens, req.num_prompt_tokens) // self.page_size
+            hashes = req.full_page_hashes(self.page_size)[:n]
+            pages = self.pool.lookup(hashes, req.token_ids, min(n, self.pins.limit))
             kept = hashes[: len(pages)]
             self._pin_change(self.pins.add(kept, ttl_s))
             for i, page in enumerate(pages):  # the disk tier's budget may still evict them later
-                self._write_to_disk(seq, i, page)
+                self._write_to_disk(req, i, page)
             left = self.pins.remaining_s(kept[-1]) if kept else 0.0
-            seq.pins.append(PinInfo(len(kept) * self.page_size, len(kept), left))
+            req.pins.append(PinInfo(len(kept) * self.page_size, len(kept), left))
 
     def expire_pins(self) -> None:
         """Release the pins whose TTL is up (the engine calls it every step)."""
@@ -347,25 +336,25 @@ class KVManager:
         if writes:
             self.disk.write([w.record for w in writes], read_pages([w.page for w in writes]))
 
-    def release(self, seq: "Sequence") -> None:
-        """seq gives all its pages back (what it published stays cached) and has no KV any more."""
-        self.pool.release(seq.page_table)
-        self.forget(seq)
+    def release(self, req: KVRequest) -> None:
+        """req gives all its pages back (what it published stays cached) and has no KV any more."""
+        self.pool.release(req.page_table)
+        self.forget(req)
 
-    def forget(self, seq: "Sequence") -> None:
-        self._cancel_restore(seq)
-        seq.page_table = []
-        seq.num_computed_tokens = 0
-        seq.publish_cursor = 0
+    def forget(self, req: KVRequest) -> None:
+        self._cancel_restore(req)
+        req.page_table = []
+        req.num_computed_tokens = 0
+        req.publish_cursor = 0
 
-    def reset(self, holders: "list[Sequence]") -> None:
+    def reset(self, holders: list[KVRequest]) -> None:
         """Start afresh after a fault that may have left the bookkeeping or the KV half-updated: holders
         lose their pages without releasing them, and the cache is forgotten (counters are kept). The disk
         tier stays: its pages were verified when written, and are again when read."""
-        for seq in holders:
-            self.forget(seq)
-        for seq in list(self.restores):
-            self._cancel_restore(seq)
+        for req in holders:
+            self.forget(req)
+        for req in list(self.restores):
+            self._cancel_restore(req)
         self._disk_writes = []
         if self.disk is not None:
             self.disk.unpin(self.pins.clear())  # the pins go with the pool
@@ -384,20 +373,20 @@ class KVManager:
         still waiting for disk pages computes them)."""
         if self.disk is None:
             return
-        for seq in list(self.restores):
-            self._cancel_restore(seq)
+        for req in list(self.restores):
+            self._cancel_restore(req)
         self._disk_writes = []
         self.disk.close()
         self.disk = None
 
     # -- invariants -----------------------------------------------------------------------------------
-    def check_invariants(self, holders: "list[Sequence]") -> None:
+    def check_invariants(self, holders: list[KVRequest]) -> None:
         """The pool's own invariants, and: the pages in use are exactly those the holders' tables hold."""
         self.pool.check_invariants()
         in_use = sum(self.pool.refcount)
         held = sum(len(s.page_table) for s in holders)
         assert in_use == held, f"pages referenced {in_use} != pages held by running requests {held}"
         free = set(self.pool.free)
-        for seq in holders:
-            assert not free.intersection(seq.page_table), f"{seq.request_id} holds a free page"
+        for req in holders:
+            assert not free.intersection(req.page_table), f"{req.request_id} holds a free page"
         assert set(self.restores) <= set(holders), "a request restores pages it does not hold"

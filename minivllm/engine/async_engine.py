@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 from llguidance import LLMatcher
 
+from minivllm.cache.hints import CacheHints
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, RequestOutput
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.validation import RequestError
+from minivllm.outputs import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ class _Add:
     prompt: list[int]
     params: SamplingParams
     matcher: LLMatcher | None  # the compiled grammar of params.structured_output
+    cache: CacheHints | None
     accepted: asyncio.Future  # resolves when the engine took (or refused) the request
 
 
@@ -85,13 +88,15 @@ class AsyncEngine:
 
     def _close_streams(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="abort", error=reason))
+            stream.put_nowait(
+                RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ABORT, error=reason)
+            )
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache: CacheHints | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Raises RequestError / QueueFull before the first output if refused.
+        """Stream a request's outputs (cache: its cache domain and pins). Raises RequestError / QueueFull before the first output if refused.
         Closing the iterator early (client gone) aborts the request and releases its pages."""
         if request_id in self._streams:
             raise RequestError(f"duplicate request id {request_id!r}", param="request_id")
@@ -105,7 +110,7 @@ class AsyncEngine:
             matcher = None
             if params.structured_output is not None:  # compiled in a worker, never on the stepping thread
                 matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)
-            self._inbox.put(_Add(request_id, prompt, params, matcher, accepted))
+            self._inbox.put(_Add(request_id, prompt, params, matcher, cache, accepted))
             await accepted  # re-raises the engine's validation error
             while True:
                 out: RequestOutput = await stream.get()
@@ -175,7 +180,7 @@ class AsyncEngine:
         if item.accepted.cancelled():
             return
         try:
-            self.engine.add_request(item.request_id, item.prompt, item.params, item.matcher)
+            self.engine.add_request(item.request_id, item.prompt, item.params, item.matcher, item.cache)
         except Exception as e:
             self._loop.call_soon_threadsafe(_settle, item.accepted, e)
             return

@@ -8,27 +8,29 @@ its own threads, on bytes the stepping thread copies out of and into the pools b
 import logging
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from llguidance import LLMatcher
 
 from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.hash_stream import HashStream
-from minivllm.cache.kv_manager import KVManager, PrefixMiss
+from minivllm.cache.hints import CacheHints
+from minivllm.cache.kv_manager import KVManager
+from minivllm.cache.kv_request import KVRequest
 from minivllm.cache.page_file import TierIdentity
-from minivllm.cache.pins import PinInfo
 from minivllm.config import EngineConfig, default_kv_cache_bytes
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
 from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, LaunchedStep, ModelRunner
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
-from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.sequence import Sequence
 from minivllm.engine.token_gaps import TokenGaps
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
 from minivllm.models.loader import activation_dtype, load_model, module_arrays
+from minivllm.outputs import FinishReason, QueueFull, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,31 +43,13 @@ OVERLAP_CPU_MAX_WEIGHT_BYTES = 32 << 20
 DISK_WAIT_S = 0.05  # with nothing to step but disk reads, wait this long at most for one (new requests too)
 
 
-class QueueFull(RuntimeError):
-    """max_waiting requests already wait beyond the free running slots; retry later."""
-
-
-@dataclass
-class RequestOutput:
-    """What one step did for one request: the new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    prefix_miss: PrefixMiss | None = None  # where and why that restore stopped short, if it did
-    pins: list[PinInfo] = field(default_factory=list)  # what the request's pins got (its last output)
-    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
-    num_pages_published: int = 0
-    num_published_prompt_tokens: int = 0  # prompt tokens in the pages it published: cache it created
-    num_output_tokens: int = 0
-    flight_role: str | None = None
-    stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
-    error: str | None = None  # why it ended, when the finish reason alone does not say
-    error_param: str | None = None  # an "error" the request's own input caused (its grammar): that parameter
+def new_sequence(
+    request_id: str, token_ids: list[int], params: SamplingParams, cache: CacheHints | None = None, **fields
+) -> Sequence:
+    """A request, with the KV cache's record of it (which shares its token list)."""
+    seq = Sequence(request_id, token_ids, params, **fields)
+    seq.cache = KVRequest(request_id, seq.token_ids, len(token_ids), cache or CacheHints())
+    return seq
 
 
 class LLMEngine:
@@ -182,10 +166,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         matcher: LLMatcher | None = None,
+        cache: CacheHints | None = None,
     ) -> Sequence:
         """Validate and queue a request (RequestError names the parameter at fault). matcher:
         params.structured_output compiled by `self.grammars.matcher` off this thread (the async engine
-        does); without it, a structured-output request compiles here."""
+        does); without it, a structured-output request compiles here. cache: its cache domain and pins."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", param="request_id")
@@ -196,9 +181,9 @@ class LLMEngine:
         if params.structured_output is not None and matcher is None:
             matcher = self.grammars.matcher(params.structured_output)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(request_id, token_ids, params, seed=seed, matcher=matcher)
+        seq = new_sequence(request_id, token_ids, params, cache, seed=seed, matcher=matcher)
         if self.hash_stream is not None:
-            self.hash_stream.record(seq.full_page_hashes(self.config.page_size), len(token_ids))
+            self.hash_stream.record(seq.cache.full_page_hashes(self.config.page_size), len(token_ids))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -215,7 +200,7 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             raise KeyError(f"unknown request id {request_id!r}")
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -275,27 +260,27 @@ class LLMEngine:
 
     def _apply_disk_restores(self) -> None:
         """Pages the disk tier has read for waiting requests go into the pools; they can run now."""
-        for seq, tokens in self.kv.apply_restores(self.runner.write_pages):
-            self.scheduler.restored_from_disk(seq, tokens)
+        for req, tokens in self.kv.apply_restores(self.runner.write_pages):
+            self.scheduler.restored_from_disk(self.requests[req.request_id], tokens)
 
     def fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
-        """End seqs with reason "error" and the fault as detail. A fault may have left the pool's
+        """End seqs with reason ERROR and the fault as detail. A fault may have left the pool's
         bookkeeping or the KV pools half-updated (MLX is lazy: a broken graph may sit in them), so the
         other running requests are requeued to recompute, and the pool and the KV start afresh."""
         detail = f"{type(error).__name__}: {error}"
         self.in_flight = None  # its graph writes into the KV pools dropped below
         # a fresh pool first: nothing is released through the broken one (page tables are forgotten)
-        self.kv.reset(seqs + self.scheduler.running)
+        self.kv.reset([s.cache for s in seqs + self.scheduler.running])
         for seq in seqs:
             seq.finish_detail = detail
             try:
-                self.scheduler.finish(seq, "error")
+                self.scheduler.finish(seq, FinishReason.ERROR)
             except Exception:  # the request is finished all the same; only its flight bookkeeping failed
                 logger.exception("while failing request %s", seq.request_id)
             # also when it finished earlier in the faulted step (its last output was lost), but an abort
             # stays an abort: nobody waits for that request's output
-            if seq.finish_reason != "abort":
-                seq.finish_reason = "error"
+            if seq.finish_reason != FinishReason.ABORT:
+                seq.finish_reason = FinishReason.ERROR
         for seq in reversed(self.scheduler.running):  # newest first, so the oldest ends up first in line
             self.scheduler.requeue(seq)
         self.runner.reset_kv()
@@ -319,11 +304,11 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            prefix_miss=seq.prefix_miss,
-            pins=list(seq.pins),
+            prefix_miss=seq.cache.prefix_miss,
+            pins=list(seq.cache.pins),
             num_computed_prompt_tokens=seq.num_computed_prompt_tokens,
-            num_pages_published=seq.num_pages_published,
-            num_published_prompt_tokens=seq.num_published_prompt_tokens,
+            num_pages_published=seq.cache.num_pages_published,
+            num_published_prompt_tokens=seq.cache.num_published_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             flight_role=seq.flight_role,
             stop_token_id=seq.stop_token_id,
@@ -332,7 +317,7 @@ class LLMEngine:
         )
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(self.scheduler.running)
+        self.kv.check_invariants([s.cache for s in self.scheduler.running])
 
     def stats(self) -> dict:
         c, p, pages = self.scheduler.counters, self.kv.counters, self.kv.state()

@@ -15,9 +15,10 @@ import numpy as np
 from kernels.paged_attention import build_layout
 from minivllm.engine.grammar import MaskCounters, token_bitmasks
 from minivllm.engine.sampler import log_softmax, sample
-from minivllm.engine.sequence import Sequence, TokenLogprob
+from minivllm.engine.sequence import Sequence
 from minivllm.models.families import architecture_of
 from minivllm.models.layers import Architecture, KVPools, forward
+from minivllm.outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class ModelRunner:
             inputs = after.tokens if same else after.tokens[mx.array(rows)]
             # `after` computes every token each seq has (Scheduler.schedule_ahead): the new one goes next
             computed, ahead = [len(s.token_ids) for s in seqs], 1
-        layout = build_layout([s.page_table for s in seqs], computed, num_tokens, self.page_size)
+        layout = build_layout([s.cache.page_table for s in seqs], computed, num_tokens, self.page_size)
         # only sequences whose chunk reaches their last token (and draft) produce new tokens this step
         sampling = [
             i

@@ -4,10 +4,6 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from minivllm.cache.pins import TTL_DEFAULT_S, TTL_MAX_S
-
-__all__ = ["TTL_DEFAULT_S", "TTL_MAX_S", "SamplingParams", "StructuredOutput", "choice_seed"]
-
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -50,12 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured_output: StructuredOutput | None = None
-    # Not a sampling control: the request's prefix-cache domain (its pages are shared only with requests
-    # of the same salt). It rides here because these params travel with the request everywhere.
-    cache_salt: str | None = None
-    # Not a sampling control either: prompt prefixes to pin in the prefix cache when the request ends,
-    # (first tokens, TTL in seconds) each (minivllm.cache.pins)
-    pins: tuple[tuple[int, float], ...] = ()
+    # (a request's cache domain and pins are no sampling controls: minivllm.cache.hints.CacheHints)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
@@ -81,11 +72,6 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
-        for tokens, ttl_s in self.pins:
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-                raise ValueError(f"pins: a pin's tokens must be a positive integer, got {tokens!r}")
-            if not (math.isfinite(ttl_s) and 0 < ttl_s <= TTL_MAX_S):
-                raise ValueError(f"pins: a pin's TTL must be in (0, {TTL_MAX_S:g}] seconds, got {ttl_s}")
 
     @property
     def greedy(self) -> bool:

@@ -15,11 +15,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from minivllm.cache.kv_manager import KVManager
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, Publication, SingleFlight, Speculative
 from minivllm.engine.grammar import MaskCounters, advance, grammar_error
 from minivllm.engine.ngram_draft import accepted_tokens, propose
-from minivllm.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.single_flight import FlightCoordinator
+from minivllm.outputs import FinishReason, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.flights = FlightCoordinator(config.single_flight) if config.single_flight != "off" else None
+        self.flights = (
+            FlightCoordinator(config.single_flight) if config.single_flight != SingleFlight.OFF else None
+        )
         self.counters = CacheCounters()
         self.spec_counters = SpecCounters()
         self.finished: list[Sequence] = []  # ended since the engine last collected them
@@ -126,7 +129,7 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(1)
             budget -= 1
-        if self.config.speculative != "off":
+        if self.config.speculative != Speculative.OFF:
             budget -= self._draft(seqs, num_tokens, budget)
         prefills = [
             s for s in self.running if s.status == SequenceStatus.RUNNING and s.num_uncomputed_tokens > 1
@@ -136,10 +139,10 @@ class Scheduler:
         if self.counters.preemptions == preemptions:
             prefills += self._admit_waiting(budget - len(prefills))
         # a request whose prefix pages are still being read from disk waits for them; nobody else does
-        prefills = [s for s in prefills if not self.kv.is_restoring(s)]
+        prefills = [s for s in prefills if not self.kv.is_restoring(s.cache)]
         for seq, n in zip(prefills, fair_shares([s.num_uncomputed_tokens for s in prefills], budget)):
             # pages for the whole prompt came with admission: a prefill chunk never needs to preempt
-            if n > 0 and self.kv.pages_short(seq, seq.num_computed_tokens + n) <= 0:
+            if n > 0 and self.kv.pages_short(seq.cache, seq.num_computed_tokens + n) <= 0:
                 seqs.append(seq)
                 num_tokens.append(n)
         self.step_seqs = list(dict.fromkeys(self.step_seqs + seqs))
@@ -158,14 +161,16 @@ class Scheduler:
             if share == 0:
                 continue
             seq = seqs[i]
-            room = min(share, self.kv.free_room(seq) - len(seq.token_ids))
+            room = min(share, self.kv.free_room(seq.cache) - len(seq.token_ids))
             if room <= 0:
                 continue  # no free page: a full pool is no sign that drafts miss
             draft = propose(seq.token_ids, room)
             if not draft:
                 seq.draft.back_off()
                 continue
-            self.kv.grow(seq, len(seq.token_ids) + len(draft))  # the draft's KV goes after the last token
+            self.kv.grow(
+                seq.cache, len(seq.token_ids) + len(draft)
+            )  # the draft's KV goes after the last token
             seq.draft_token_ids = draft
             num_tokens[i] += len(draft)
             drafted += len(draft)
@@ -221,13 +226,15 @@ class Scheduler:
             h
             for s in seqs
             if s.in_prefill
-            for h in s.full_page_hashes(size)[s.publish_cursor : s.num_prompt_tokens // size]
+            for h in s.cache.full_page_hashes(size)[s.cache.publish_cursor : s.num_prompt_tokens // size]
         }
 
     def _next_page_in(self, seq: Sequence, computing: set[bytes]) -> bool:
         """Whether the first page of seq's prompt that the cache does not hold is in `computing`."""
-        restorable = seq.full_page_hashes(self.kv.page_size)[: (len(seq.token_ids) - 1) // self.kv.page_size]
-        cached = self.kv.cached_prefix_pages(seq)
+        restorable = seq.cache.full_page_hashes(self.kv.page_size)[
+            : (len(seq.token_ids) - 1) // self.kv.page_size
+        ]
+        cached = self.kv.cached_prefix_pages(seq.cache)
         return cached < len(restorable) and restorable[cached] in computing
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep:
@@ -254,20 +261,20 @@ class Scheduler:
             if not self._reached_length_limit(seq, len(seq.token_ids) + 1):
                 ahead.append(seq)  # else the running step's token is its last for sure
         # its KV goes after the running step's token: len(token_ids) + 1 tokens in all
-        need = [max(0, self.kv.pages_short(seq, len(seq.token_ids) + 1)) for seq in ahead]
+        need = [max(0, self.kv.pages_short(seq.cache, len(seq.token_ids) + 1)) for seq in ahead]
         if sum(need) > self.kv.num_available():
             return none
         for seq in ahead:
-            self.kv.grow(seq, len(seq.token_ids) + 1)
+            self.kv.grow(seq.cache, len(seq.token_ids) + 1)
         self.step_seqs.extend(ahead)
         return ScheduledStep(ahead, [1] * len(ahead))
 
     def _drafting(self) -> bool:
-        return self.config.speculative != "off" and len(self.running) <= SPEC_MAX_DECODES
+        return self.config.speculative != Speculative.OFF and len(self.running) <= SPEC_MAX_DECODES
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give seq pages for num_tokens, preempting the newest requests if needed. False if seq lost."""
-        need = self.kv.pages_short(seq, num_tokens)
+        need = self.kv.pages_short(seq.cache, num_tokens)
         if need > self.kv.num_available() and self._stop_if_it_never_fits(seq):
             return False
         while need > self.kv.num_available():
@@ -275,7 +282,7 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.kv.grow(seq, num_tokens)
+        self.kv.grow(seq.cache, num_tokens)
         return True
 
     def _stop_if_it_never_fits(self, seq: Sequence) -> bool:
@@ -290,12 +297,12 @@ class Scheduler:
             f"the pool has {self.kv.num_pages}"
         )
         logger.warning("request %s %s", seq.request_id, seq.finish_detail)
-        self.finish(seq, "length")
+        self.finish(seq, FinishReason.LENGTH)
         return True
 
     def _admit(self, seq: Sequence) -> bool:
         """Restore the longest cached prefix, allocate pages for the rest of the prompt, start running."""
-        restored = self.kv.admit(seq)
+        restored = self.kv.admit(seq.cache)
         if restored is None:
             return False
         seq.status = SequenceStatus.RUNNING
@@ -329,7 +336,7 @@ class Scheduler:
         """Free seq's pages and put it first in the waiting queue."""
         if self.flights and self.flights.is_open_leader(seq):
             self.flights.hand_over(seq)
-        self.kv.release(seq)
+        self.kv.release(seq.cache)
         seq.draft_token_ids = []  # e.g. after a fault in its verification: readmitted, it recomputes
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
@@ -339,7 +346,7 @@ class Scheduler:
     def postprocess(self, step: ScheduledStep, outputs: list) -> None:
         """Record what the evaluated step computed; accept or reject drafts; publish pages; append the new
         tokens and finish requests that are done."""
-        incremental = self.config.publication == "incremental"
+        incremental = self.config.publication == Publication.INCREMENTAL
         for seq, n, out in zip(step.seqs, step.num_tokens, outputs):
             was_prefill = seq.in_prefill
             prompt_part = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
@@ -351,9 +358,11 @@ class Scheduler:
             # not count as computed, so it is never published, and the next tokens overwrite it
             rejected = len(draft) + 1 - len(tokens) if draft else 0
             seq.num_computed_tokens += n - rejected
-            release = was_prefill and not seq.in_prefill and self.config.single_flight == "after_prefill"
+            release = (
+                was_prefill and not seq.in_prefill and self.config.single_flight == SingleFlight.AFTER_PREFILL
+            )
             if incremental or release:  # on release: the followers' checkpoint, even under completion
-                self.kv.publish(seq)
+                self.kv.publish(seq.cache)
             if release:
                 self.flights.release(seq)
             length = len(seq.token_ids)
@@ -373,7 +382,7 @@ class Scheduler:
         self.spec_counters.draft_tokens += drafted
         self.spec_counters.accepted_tokens += accepted
         if not seq.is_finished:
-            self.kv.truncate(seq, len(seq.token_ids))
+            self.kv.truncate(seq.cache, len(seq.token_ids))
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         seq.token_ids.append(token)
@@ -384,32 +393,32 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.stop_token_id = token
-            self.finish(seq, "stop")
+            self.finish(seq, FinishReason.STOP)
         elif seq.matcher is not None and seq.matcher.is_error():  # past the grammar engine's limits
             refusal = grammar_error(seq.matcher.get_error())
             seq.finish_detail, seq.error_param = refusal.message, refusal.param
             logger.warning("request %s: %s", seq.request_id, seq.finish_detail)
-            self.finish(seq, "error")
+            self.finish(seq, FinishReason.ERROR)
         elif seq.matcher is not None and seq.matcher.is_stopped():
             if token in self.eos_token_ids:  # an EOS the grammar took as its end, under ignore_eos
                 seq.stop_token_id = token
-            self.finish(seq, "stop")  # the grammar is complete and allows nothing more
+            self.finish(seq, FinishReason.STOP)  # the grammar is complete and allows nothing more
         elif self._reached_length_limit(seq, len(seq.token_ids)):
-            self.finish(seq, "length")
+            self.finish(seq, FinishReason.LENGTH)
 
     def _reached_length_limit(self, seq: Sequence, length: int) -> bool:
         """With `length` tokens, seq has its max_tokens or fills the context."""
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq for good: finished ("stop"/"length"), aborted ("abort") or failed ("error")."""
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End seq for good: finished (STOP, LENGTH), aborted (ABORT) or failed (ERROR)."""
         if seq.is_finished:
             return  # e.g. an abort that arrives after the step that finished it
-        if reason in ("stop", "length"):
-            self.kv.publish(seq)
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.kv.publish(seq.cache)
         seq.draft.log(seq.request_id)
-        self.kv.pin(seq)  # what it published of the prefixes it asked to pin, before its pages go
-        self.kv.release(seq)
+        self.kv.pin(seq.cache)  # what it published of the prefixes it asked to pin, before its pages go
+        self.kv.release(seq.cache)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:

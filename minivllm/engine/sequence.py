@@ -3,13 +3,11 @@
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from minivllm.cache.kv_manager import PrefixMiss
-from minivllm.cache.page_hash import extend_page_hashes, root_hash
-from minivllm.cache.pins import PinInfo
 from minivllm.engine.ngram_draft import DraftState
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.outputs import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -21,13 +19,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens
-
-
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -35,20 +26,16 @@ class Sequence:
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     finish_detail: str | None = None  # why, when the reason alone does not say (a fault, a pool too small)
     error_param: str | None = None  # an "error" due to the request's own input: the parameter at fault
     stop_token_id: int | None = None  # the EOS / stop token that ended it (not part of the text)
     matcher: "LLMatcher | None" = None  # structured output: the grammar's state after token_ids
-    page_table: list[int] = field(default_factory=list)
-    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full pages of token_ids
-    num_computed_tokens: int = 0  # tokens whose KV is in the pool
-    publish_cursor: int = 0  # pages of page_table already considered for publication
-    num_pages_published: int = 0  # pages this request made reusable, over all admissions
-    num_published_prompt_tokens: int = 0  # prompt tokens of those pages (whole pages within the prompt)
+    # the KV cache's state for this request (minivllm.cache.kv_request.KVRequest: page table, cursors,
+    # what it restored, published and pinned), attached by the engine; only the KV manager changes it.
+    # Typed loosely so that the request and the cache import nothing of each other.
+    cache: Any = None
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache at first admission
-    prefix_miss: PrefixMiss | None = None  # why that restore stopped short of the whole prompt, if it did
-    pins: list[PinInfo] = field(default_factory=list)  # what params.pins got, once the request ended
     num_computed_prompt_tokens: int = (
         0  # prompt tokens this request ran through the model, over all admissions
     )
@@ -82,6 +69,14 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_computed_tokens(self) -> int:  # tokens whose KV is in the pool (the KV manager's count)
+        return self.cache.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:  # the scheduler counts what a step computed
+        self.cache.num_computed_tokens = n
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -92,9 +87,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def full_page_hashes(self, page_size: int) -> list[bytes]:
-        if len(self.page_hashes) < len(self.token_ids) // page_size:
-            root = root_hash(self.params.cache_salt)
-            extend_page_hashes(self.page_hashes, self.token_ids, page_size, root)
-        return self.page_hashes

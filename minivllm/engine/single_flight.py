@@ -14,7 +14,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from minivllm.config import SingleFlight
 from minivllm.engine.sequence import Sequence
+from minivllm.outputs import FinishReason
 
 
 @dataclass
@@ -34,8 +36,8 @@ class FlightCounters:
 
 
 class FlightCoordinator:
-    def __init__(self, mode: str):
-        assert mode in ("at_completion", "after_prefill")
+    def __init__(self, mode: SingleFlight):
+        assert mode in (SingleFlight.AT_COMPLETION, SingleFlight.AFTER_PREFILL)
         self.mode = mode
         self.flights: dict[tuple[int, ...], Flight] = {}
         self.flight_of: dict[str, Flight] = {}  # request id -> its open flight
@@ -43,7 +45,7 @@ class FlightCoordinator:
         self.counters = FlightCounters()
 
     def join(self, seq: Sequence) -> None:
-        key = (seq.params.cache_salt, *seq.prompt_token_ids)  # a domain's followers restore its pages only
+        key = (seq.cache.hints.salt, *seq.prompt_token_ids)  # a domain's followers restore its pages only
         flight = self.flights.get(key)
         if flight is None:
             flight = self.flights[key] = Flight(key, leader=seq)
@@ -95,7 +97,7 @@ class FlightCoordinator:
         if flight.leader is not seq:
             flight.followers.remove(seq)
             return
-        if flight.followers and seq.finish_reason in ("abort", "error"):
+        if flight.followers and seq.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
             self._promote(flight)  # no follower may wait forever: the oldest computes the prompt itself
             return
         self._close(flight)  # the leader finished: its pages are published

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from minivllm.engine.llm_engine import RequestOutput
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.loader import load_tokenizer
+from minivllm.outputs import FinishReason, RequestOutput
 from server.cluster import router_registry
 from server.settings import Settings
 
@@ -64,12 +65,14 @@ class RemoteEngine:
         return {name: dict(replica.routing_stats or {}) for name, replica in self._router.live.items()}
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache: CacheHints | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream from the replica the router picks. A refusal re-raises the engine's own error; a replica
         that dies mid-stream ends the stream with an error output (the request is not retried: its tokens
         may already be with the client)."""
-        response = self._stream.generate.remote(request_id=request_id, prompt=prompt, params=params)
+        response = self._stream.generate.remote(
+            request_id=request_id, prompt=prompt, params=params, cache=cache
+        )
         try:
             async for out in response:
                 yield out
@@ -80,7 +83,7 @@ class RemoteEngine:
                 request_id,
                 [],
                 finished=True,
-                finish_reason="abort",
+                finish_reason=FinishReason.ABORT,
                 error=f"the engine replica serving this request failed ({type(e).__name__}); retry the request",
             )
         finally:

@@ -4,9 +4,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from minivllm.cache.hints import CacheHints
 from minivllm.engine.async_engine import AsyncEngine
-from minivllm.engine.llm_engine import RequestOutput
 from minivllm.engine.sampling_params import SamplingParams
+from minivllm.outputs import RequestOutput
 from server.settings import Settings
 
 
@@ -19,10 +20,10 @@ class EngineReplica:
         self.stats_reports = 0
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache: CacheHints | None = None
     ) -> AsyncIterator[RequestOutput]:
         """The engine's stream; when the caller cancels, closing it aborts the request and frees its pages."""
-        async for out in self.engine.generate(request_id, prompt, params):
+        async for out in self.engine.generate(request_id, prompt, params, cache):
             yield out
 
     def describe(self) -> dict:

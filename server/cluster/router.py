@@ -88,9 +88,9 @@ class PageHashRouter(RequestRouter):
     def page_keys(self, pending_request: PendingRequest) -> list[bytes]:
         """The chained hashes of the prompt's full pages: the keys the replicas' prefix caches match."""
         prompt = pending_request.kwargs.get("prompt")
-        params = pending_request.kwargs.get("params")
+        cache = pending_request.kwargs.get("cache")
         keys: list[bytes] = []
         if prompt:
-            root = root_hash(getattr(params, "cache_salt", None))
+            root = root_hash(getattr(cache, "salt", None))
             extend_page_hashes(keys, prompt, self.page_size, root)
         return keys

@@ -1,0 +1,55 @@
+"""What the engine gives back: its public result types. The server and the entry points read a request's
+outcome here, never in the engine's own modules.
+
+It may import `minivllm.config` and `minivllm.cache` (the cache's own reports: why a restore stopped short,
+what a pin got), nothing else of minivllm.
+"""
+
+from dataclasses import dataclass, field
+
+from minivllm.cache.kv_request import PrefixMiss
+from minivllm.cache.pins import PinInfo
+from minivllm.config import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a request ended (each is also its name as a str, as OpenAI's finish_reason spells it)."""
+
+    STOP = "stop"  # an EOS or stop token, a stop string, or a complete grammar
+    LENGTH = "length"  # max_tokens, the context's end, or a pool that could never hold it
+    ABORT = "abort"  # the caller (or the server shutting down) ended it
+    ERROR = "error"  # a fault in a step, or the request's own input (error_param names it)
+
+
+class QueueFull(RuntimeError):
+    """max_waiting requests already wait beyond the free running slots; retry later."""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request: the new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    prefix_miss: PrefixMiss | None = None  # where and why that restore stopped short, if it did
+    pins: list[PinInfo] = field(default_factory=list)  # what the request's pins got (its last output)
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model
+    num_pages_published: int = 0
+    num_published_prompt_tokens: int = 0  # prompt tokens in the pages it published: cache it created
+    num_output_tokens: int = 0
+    flight_role: str | None = None
+    stop_token_id: int | None = None  # the EOS / stop token that ended the request, if one did
+    error: str | None = None  # why it ended, when the finish reason alone does not say
+    error_param: str | None = None  # an "error" the request's own input caused (its grammar): that parameter
