@@ -69,6 +69,9 @@ class ToolSpec:
     parameters: dict | None = None  # a JSON schema of an object; None: no parameters
     strict: bool | None = None
     namespace: str | None = None
+    # False: not in the template's tool list (a deferred tool, described where tool search loaded it, so
+    # that the prompt before that point, and its cached pages, stay as they were); callable all the same
+    listed: bool = True
 
     @property
     def qualified_name(self) -> str:

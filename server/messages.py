@@ -137,7 +137,7 @@ def _hints(body: a.CountTokensRequest, headers: Mapping[str, str]) -> tuple[str,
 
 def _thinking(body: a.CountTokensRequest) -> tuple[Thinking, tuple[str, ...]]:
     """Thinking as asked (on a model that thinks), and the fields that only act on such a model."""
-    fields = []
+    fields = ["context_management"] if body.context_management else []
     effort = body.output_config and body.output_config.effort
     budget = EFFORT_BUDGETS.get(effort) if effort else None
     if effort:
@@ -165,7 +165,9 @@ def _thinking_kept(body: a.CountTokensRequest) -> int | None:
 
 
 def _tool(tool: a.Tool) -> ToolSpec:
-    return ToolSpec(tool.name, tool.description, tool.input_schema, tool.strict)
+    return ToolSpec(
+        tool.name, tool.description, tool.input_schema, tool.strict, listed=not tool.defer_loading
+    )
 
 
 def _turns(body: a.CountTokensRequest, tools: dict[str, a.Tool], keep: int | None) -> tuple[Turn, ...]:

@@ -92,12 +92,17 @@ def parse(body: ResponsesRequest) -> Conversation:
             "output": "text.format",
         },
         ignored=tuple(h for h in HINTS if _given(body, h)),
-        thinking_fields=tuple(
-            f"reasoning.{k}"
-            for k in ("effort", "summary", "generate_summary")
-            if reasoning and getattr(reasoning, k) is not None
-        ),
+        thinking_fields=_thinking_fields(body),
     )
+
+
+def _thinking_fields(body: ResponsesRequest) -> tuple[str, ...]:
+    """The fields that act only where the model thinks: reasoning's, and asking for its sealed content."""
+    reasoning = body.reasoning
+    fields = [
+        f"reasoning.{k}" for k in ("effort", "summary", "generate_summary") if getattr(reasoning, k, None)
+    ]
+    return (*fields, *(["include"] if body.include else []))
 
 
 def _given(body: ResponsesRequest, path: str):

@@ -108,7 +108,8 @@ class ToolCalling:
         return self.choice != "auto"
 
     def template_tools(self) -> list[dict]:
-        return [t.template_dict() for t in self.tools]
+        """The tools the template lists (deferred ones are described where they were loaded)."""
+        return [t.template_dict() for t in self.tools if t.listed]
 
     # -- the grammar of a call ------------------------------------------------------------------------
     def call_grammar(self) -> str:
@@ -125,7 +126,7 @@ class ToolCalling:
     def parse(self, block: str) -> ToolCall | None:
         """One call block's text -> a tool call, or None if it does not parse."""
         try:
-            call = self.parser(block, self.template_tools())
+            call = self.parser(block, [t.template_dict() for t in self.tools])
         except Exception as e:  # the model's text is whatever it wrote
             logger.info("unparsable tool call %r: %s", block[:200], e)
             return None

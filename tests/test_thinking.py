@@ -83,7 +83,9 @@ def test_a_signed_history_renders_its_thinking_even_when_it_was_not_shown(server
 def test_thinking_disabled_renders_the_closed_think_block_and_answers(server, claude):
     r, prompts = _prompts(
         server,
-        lambda: claude.messages.create(model=MODEL, max_tokens=4, messages=ASK, thinking={"type": "disabled"}),
+        lambda: claude.messages.create(
+            model=MODEL, max_tokens=4, messages=ASK, thinking={"type": "disabled"}
+        ),
     )
     assert [b.type for b in r.content] == ["text"]
     assert prompts[0].endswith("<think>\n\n</think>\n\n")
@@ -97,7 +99,9 @@ def test_chat_returns_reasoning_content_and_counts_its_tokens(oai):
     chunks = list(
         oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, stream=True, temperature=0)
     )
-    streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
+    streamed = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices
+    )
     assert streamed
 
 
@@ -118,7 +122,9 @@ def test_responses_reasoning_items_round_trip(server, oai):
         {"role": "assistant", "content": "Rayleigh."},
         {"role": "user", "content": "And at sunset?"},
     ]
-    _, prompts = _prompts(server, lambda: oai.responses.create(model=MODEL, input=history, max_output_tokens=2))
+    _, prompts = _prompts(
+        server, lambda: oai.responses.create(model=MODEL, input=history, max_output_tokens=2)
+    )
     assert f"<think>\n{item.summary[0].text}\n</think>\n\nRayleigh." in prompts[0]
 
 

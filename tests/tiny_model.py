@@ -350,7 +350,9 @@ def make_tiny_qwen_tokenizer_model(
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             params[name] = params[name] * 0.01
     embed = params["model.embed_tokens.weight"]
-    params["model.embed_tokens.weight"] = mx.concatenate([mx.full((vocab, 1), 4.0), embed[:, 1:] * 0.1], axis=1)
+    params["model.embed_tokens.weight"] = mx.concatenate(
+        [mx.full((vocab, 1), 4.0), embed[:, 1:] * 0.1], axis=1
+    )
     # after the norm, dimension 0 is about sqrt(hidden); the end token's logit b * sqrt(hidden) against
     # vocab - 1 others near 0 gives it the probability asked for
     b = math.log(end_probability / (1 - end_probability) * (vocab - 1)) / math.sqrt(hidden)
