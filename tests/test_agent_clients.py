@@ -9,6 +9,7 @@ seconds. `.ci/run` installs the clients (`npm install` in tests/agents) and sets
 so that there a missing client fails instead of skipping.
 """
 
+import json
 import os
 import re
 import shutil
@@ -35,6 +36,13 @@ EXECUTABLES = {
     ("codex", "0.169.0"): ["node", "codex-0.169.0/bin/codex.js"],
     ("codex", "0.171.0"): ["node", "codex-0.171.0/bin/codex.js"],
     ("opencode", "1.18.33"): ["opencode-ai/bin/opencode.exe"],
+    ("qwen", "0.24.4"): ["node", "@qwen-code/qwen-code/cli-entry.js"],
+}
+# each protocol's route, and how opencode (its AI SDK provider) and qwen-code (its --auth-type) reach it
+PROTOCOLS = {
+    "chat": ("/v1/chat/completions", "@ai-sdk/openai-compatible", "openai"),
+    "responses": ("/v1/responses", "@ai-sdk/openai", "openai-responses"),
+    "messages": ("/v1/messages", "@ai-sdk/anthropic", "anthropic"),
 }
 
 
@@ -92,18 +100,23 @@ def _since(before: dict, after: dict) -> dict[tuple[str, str], float]:
 
 
 def _session(url: str, name: str, version: str, turns: list[list[str]], tmp_path: Path) -> list[str]:
-    """Run the client's turns in one throwaway home and working folder, configured as `minivllm launch`
-    does; each turn must exit 0. Returns each turn's stdout."""
-    executable = _executable(name, version)
+    """Run the client's turns, configured as `minivllm launch` does. Returns each turn's stdout."""
+    served = launch.served_model(url, "unused")
+    invocations = [launch.CLIENTS[name].configure(served, args, tmp_path) for args in turns]
+    env = invocations[0].env
+    return _run(_executable(name, version), [i.argv[1:] for i in invocations], env, tmp_path)
+
+
+def _run(executable: list[str], turns: list[list[str]], env: dict, tmp_path: Path) -> list[str]:
+    """Run a client's turns in one throwaway home and working folder; each must exit 0. Returns each
+    turn's stdout."""
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
-    served = launch.served_model(url, "unused")
+    env = {**os.environ, "HOME": str(home), **env}
     outputs = []
     for args in turns:
-        invocation = launch.CLIENTS[name].configure(served, args, tmp_path)
-        argv = [*executable, *invocation.argv[1:]]
-        env = {**os.environ, "HOME": str(home), **invocation.env}
+        argv = [*executable, *args]
         done = subprocess.run(
             argv,
             cwd=work,
@@ -114,7 +127,7 @@ def _session(url: str, name: str, version: str, turns: list[list[str]], tmp_path
             stdin=subprocess.DEVNULL,
         )
         assert done.returncode == 0, (
-            f"{name} {version} {args}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            f"{argv}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         )
         outputs.append(done.stdout)
     return outputs
@@ -125,13 +138,14 @@ def _last_report(url: str, endpoint: str) -> dict:
     return reports[-1]
 
 
-def _check(url: str, before: dict, endpoint: str, outputs: list[str]) -> None:
+def _check(url: str, before: dict, endpoint: str, outputs: list[str], restores: bool = True) -> None:
     requests = _since(before, _statuses(url))
     assert requests and all(status.startswith("2") for _, status in requests), requests
     assert requests.get((endpoint, "200"), 0) >= len(outputs), requests
     assert all(out.strip() for out in outputs), outputs  # each turn printed its answer
-    last = _last_report(url, endpoint)  # the second turn's prompt came back from the prefix cache
-    assert last["restored_tokens"] >= 0.95 * last["prompt_tokens"], last
+    if restores:  # the second turn's prompt came back from the prefix cache
+        last = _last_report(url, endpoint)
+        assert last["restored_tokens"] >= 0.95 * last["prompt_tokens"], last
 
 
 @pytest.mark.parametrize("version", ["2.1.328", "2.1.332"])
@@ -150,11 +164,48 @@ def test_codex_completes_a_session(server, version, tmp_path):
     _check(server, before, "/v1/responses", outputs)
 
 
-def test_opencode_completes_a_session_on_chat_completions(server, tmp_path):
+def test_opencode_completes_a_session_as_launched(server, tmp_path):
     """opencode's defaults ask max_tokens 32000 beside a ~7k-token prompt on a 32k context: clamped."""
     before = _statuses(server)
     outputs = _session(server, "opencode", "1.18.33", [["run", TASK], ["run", "-c", FOLLOW_UP]], tmp_path)
-    _check(server, before, "/v1/chat/completions", outputs)
+    _check(server, before, "/v1/chat/completions", outputs, restores=False)
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_opencode_with_its_default_settings_on_each_protocol(server, protocol, tmp_path):
+    endpoint, provider, _ = PROTOCOLS[protocol]
+    config = {
+        "model": f"local/{MODEL}",
+        "provider": {
+            "local": {
+                "npm": provider,
+                "options": {"baseURL": f"{server}/v1", "apiKey": "x"},
+                "models": {MODEL: {}},
+            }
+        },
+    }
+    (tmp_path / "opencode.json").write_text(json.dumps(config))
+    env = {"OPENCODE_CONFIG": str(tmp_path / "opencode.json")}
+    before = _statuses(server)
+    outputs = _run(_executable("opencode", "1.18.33"), [["run", TASK]], env, tmp_path)
+    _check(server, before, endpoint, outputs, restores=False)
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_qwen_code_with_its_default_settings_on_each_protocol(server, protocol, tmp_path):
+    """qwen-code asks max_tokens 32768 on chat and thinking with a 32000-token budget on Messages."""
+    endpoint, _, auth_type = PROTOCOLS[protocol]
+    env = {
+        "OPENAI_BASE_URL": f"{server}/v1",
+        "OPENAI_API_KEY": "x",
+        "OPENAI_MODEL": MODEL,
+        "ANTHROPIC_BASE_URL": server,
+        "ANTHROPIC_API_KEY": "x",
+        "ANTHROPIC_MODEL": MODEL,
+    }
+    before = _statuses(server)
+    outputs = _run(_executable("qwen", "0.24.4"), [["--auth-type", auth_type, "-p", TASK]], env, tmp_path)
+    _check(server, before, endpoint, outputs, restores=False)
 
 
 def test_launch_names_the_install_command_for_a_missing_client(monkeypatch, capsys):

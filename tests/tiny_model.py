@@ -320,7 +320,8 @@ def make_tiny_qwen_tokenizer_model(
     model's) and its context: coding agents' 10-12k-token prompts fit and prefill in seconds. A random model
     never ends its answer by itself; this one, sampled, ends each token with about end_probability (its
     answers average 1 / end_probability tokens): every embedding carries a constant in dimension 0, which the
-    final norm keeps, and only the end-of-sequence row of the output layer reads it."""
+    final norm keeps (the layers write little), and only the end-of-sequence row of the output layer reads
+    it."""
     path, tokenizer_dir = Path(path), Path(tokenizer_dir)
     path.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -350,9 +351,10 @@ def make_tiny_qwen_tokenizer_model(
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             params[name] = params[name] * 0.01
     embed = params["model.embed_tokens.weight"]
-    params["model.embed_tokens.weight"] = mx.concatenate(
-        [mx.full((vocab, 1), 4.0), embed[:, 1:] * 0.1], axis=1
-    )
+    # ... except the newline's: the generation prompt ends with one, so no answer is empty
+    newline = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]["\u010a"]  # "\n"
+    constant = mx.full((vocab, 1), 4.0).at[newline, 0].add(-8.0)
+    params["model.embed_tokens.weight"] = mx.concatenate([constant, embed[:, 1:] * 0.1], axis=1)
     # after the norm, dimension 0 is about sqrt(hidden); the end token's logit b * sqrt(hidden) against
     # vocab - 1 others near 0 gives it the probability asked for
     b = math.log(end_probability / (1 - end_probability) * (vocab - 1)) / math.sqrt(hidden)
