@@ -34,6 +34,7 @@ class PrefixReport:
     miss: str | None = None  # None: restored all it could; else "evicted", "new" or "off"
     miss_token: int | None = None  # the first token of the first page not restored
     miss_message: int | None = None  # the message holding it (chat-shaped requests)
+    ttft_s: float | None = None  # from the request's arrival to its first output (every choice's)
 
     def header(self) -> str:
         parts = [f"restored={self.restored_tokens}", f"prompt={self.prompt_tokens}"]
@@ -57,6 +58,7 @@ async def reports(gen: Generation, endpoint: str, locate: MessageLocator | None)
         report = PrefixReport(
             c.request_id, endpoint, time.time(), first.num_prompt_tokens, first.num_cached_tokens
         )
+        report.ttft_s = round(time.monotonic() - gen.arrival, 3)
         if miss is not None:
             report.miss, report.miss_token = miss.reason, miss.token
             if locate is not None and miss.reason != "off":
