@@ -180,8 +180,11 @@ def unseal(sealed: str | None) -> str | None:
     if not sealed or not sealed.startswith(SEAL_PREFIX):
         return None
     try:
+        data = base64.b64decode(sealed[len(SEAL_PREFIX) :], altchars=b"-_", validate=True)
         inflate = zlib.decompressobj()
-        text = inflate.decompress(base64.urlsafe_b64decode(sealed[len(SEAL_PREFIX) :]), MAX_SEALED_BYTES)
-        return None if inflate.unconsumed_tail else text.decode()  # past the bound: not ours
+        text = inflate.decompress(data, MAX_SEALED_BYTES)
+        return (
+            text.decode() if inflate.eof and not inflate.unconsumed_tail else None
+        )  # whole, within the bound
     except (ValueError, zlib.error, UnicodeDecodeError):
         return None
