@@ -42,9 +42,10 @@ TURNS = [
     "Add a function greet(name) to hello.py that prints a greeting, and call it.",
     "Run python hello.py and tell me what it printed.",
 ]
-# the clients run every tool without asking (a throwaway folder): a headless session cannot answer prompts
+# the clients run their tools without asking (a throwaway folder): a headless session cannot answer prompts
+# (Claude Code refuses --dangerously-skip-permissions to root: its file and shell tools are allowed by name)
 AUTONOMY = {
-    "claude": ["--dangerously-skip-permissions"],
+    "claude": ["--permission-mode", "acceptEdits", "--allowedTools", "Bash,Read,Write,Edit"],
     "codex": ["--dangerously-bypass-approvals-and-sandbox", "--skip-git-repo-check"],
 }
 CLIENT_TIMEOUT_S = 3600
