@@ -122,7 +122,7 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
         )
     pins = await until_disconnect(request, lambda: _pins(st, conv, template_tools, prompt))
     max_tokens, window_bound = clamp_max_tokens(st, conv.max_tokens, len(prompt))
-    params = sampling_params(request, conv, max_tokens, 0, structured)
+    params = sampling_params(conv, max_tokens, 0, structured)
     cache = CacheHints(cache_salt(request, conv.cache_salt), pins)
 
     def locate(token: int):
@@ -145,7 +145,7 @@ def prepare_prompts(
     for i, prompt in enumerate(prompts):
         max_tokens, clamped = clamp_max_tokens(st, conv.max_tokens, len(prompt))
         window_bound |= clamped
-        params.append(sampling_params(request, conv, max_tokens, i * conv.sampling.n))
+        params.append(sampling_params(conv, max_tokens, i * conv.sampling.n))
     cache = CacheHints(cache_salt(request, conv.cache_salt))
     return Prepared(prompts, params, cache, window_bound=window_bound, ignored=conv.ignored)
 
@@ -187,7 +187,6 @@ def think_markers(tokenizer, prompt: list[int]) -> ThinkMarkers:
 
 
 def sampling_params(
-    request: Request,
     conv: Conversation,
     max_tokens: int | None,
     first_index: int,
