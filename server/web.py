@@ -18,7 +18,7 @@ router = APIRouter()
 PAGE = resources.files("server") / "static" / "index.html"
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # clients probe the root with HEAD
 async def page() -> HTMLResponse:
     return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 

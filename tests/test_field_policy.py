@@ -221,3 +221,8 @@ def test_a_namespaced_function_is_called_by_namespace_and_name(server):
         ).status_code
         == 200
     )
+
+
+def test_the_root_answers_a_probe(server):
+    """Clients check that a base URL is alive with HEAD / (llama.cpp's and Ollama's servers answer it)."""
+    assert httpx.head(server.url + "/").status_code == 200
