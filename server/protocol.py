@@ -1,6 +1,7 @@
 """OpenAI API request and response models (the subset minivllm serves).
 
-Every OpenAI field is either honoured or refused with a 400 naming it (docs/api.md lists them). Requests are
+A field that changes the answer is honoured or refused with a 400 naming it; a hint the server cannot act on
+is accepted and named in the x-minivllm-ignored header (the field policy: docs/api.md). Requests are
 validated strictly, as OpenAI validates them: no coercion (`"stream": "yes"` or `"n": "2"` is a 400), roles
 from a fixed set, text that is valid Unicode. Unknown fields are ignored, as OpenAI ignores them (clients
 send many).
