@@ -213,8 +213,13 @@ class PromptBuilder:
 
     # -- on the worker thread ---------------------------------------------------------------------------
     def _chat_ids(
-        self, turns: list[dict], max_tokens: int | None, tools: list[dict] | None, kwargs: dict
+        self,
+        turns: list[dict],
+        max_tokens: int | None,
+        tools: list[dict] | None = None,
+        kwargs: dict | None = None,
     ) -> list[int]:
+        kwargs = kwargs or {}
         try:
             text = self._render(turns, tools, **kwargs)
             self._check_fits(text, max_tokens)

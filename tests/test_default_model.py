@@ -217,24 +217,28 @@ def test_call_grammar_takes_qwens_call_marker_tokens(qwen_tokenizer, qwen_gramma
     """The grammar of a call names the markers' added tokens: the first mask allows `<tool_call>` (151657)
     and the matcher then consumes it, and a correct call block, as Qwen's tokenizer writes it, is accepted
     to its end (`</tool_call>`, 151658)."""
+    from server import chat
     from server.protocol import ChatCompletionRequest
-    from server.structured import chat_output
+    from server.structured import output_grammar
     from server.tools import ToolCalling
 
-    body = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": WEATHER_IN_PARIS, "tools": [GET_WEATHER, SET_ALARM], **request_fields}
+    body = chat.parse(
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": WEATHER_IN_PARIS, "tools": [GET_WEATHER, SET_ALARM], **request_fields}
+        )
     )
-    matcher = qwen_grammars.matcher(chat_output(body, ToolCalling.of(body, qwen_tokenizer)))
+    matcher = qwen_grammars.matcher(output_grammar(body, ToolCalling.of(body, qwen_tokenizer)))
     start, end = qwen_tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
     ids = qwen_tokenizer.encode(PARIS_CALL, add_special_tokens=False)
     assert (ids[0], ids[-1]) == (start, end)
     allowed = _allowed(qwen_grammars, matcher)
-    if body.tool_choice == "auto":
+    choice = request_fields["tool_choice"]
+    if choice == "auto":
         assert start in allowed and len(allowed) > 1  # or the JSON answer
     else:
         assert allowed == [start]
     alarm = qwen_tokenizer.encode(ALARM_CALL, add_special_tokens=False)
-    if isinstance(body.tool_choice, str):
+    if isinstance(choice, str):
         assert matcher.validate_tokens(alarm) == len(alarm)  # either tool
     else:
         assert matcher.validate_tokens(alarm) < len(alarm)  # only the named one
@@ -392,14 +396,16 @@ def _prompt(builder, tokenizer, body: dict) -> tuple[list[int], str]:
     """The prompt ids the server builds for a chat request, and the template's text of it."""
     import asyncio
 
+    from server import chat
     from server.protocol import ChatCompletionRequest
-    from server.tools import ToolCalling, conversation
+    from server.tools import ToolCalling, template_turns
 
-    request = ChatCompletionRequest.model_validate(body)
-    tools = ToolCalling.of(request, tokenizer).template_tools()
-    turns = conversation(request.messages)
+    conv = chat.parse(ChatCompletionRequest.model_validate(body))
+    calling = ToolCalling.of(conv, tokenizer)
+    tools = calling.template_tools() if calling else None
+    turns = template_turns(conv.turns)
     text = tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
-    return asyncio.run(builder.chat(request.messages, None, tools)), text
+    return asyncio.run(builder.chat(conv.turns, None, tools)), text
 
 
 @pytest.fixture(scope="module")

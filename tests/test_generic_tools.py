@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from minivllm.models.loader import load_tokenizer
-from server import generic_tools
+from server import chat, generic_tools
 from server.prompts import PromptBuilder
 from tests.server_thread import ServerThread, tiny_settings
 from tests.test_api import GET_TIME, GET_WEATHER, WEATHER
@@ -60,7 +60,7 @@ def _prompt_text(model_dir, messages: list[dict], tools: list[dict] | None) -> s
 
     tokenizer = load_tokenizer(str(model_dir))
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
-    ids = asyncio.run(PromptBuilder(tokenizer, 2048).chat(request.messages, None, tools))
+    ids = asyncio.run(PromptBuilder(tokenizer, 2048).chat(chat.turns_of(request.messages), None, tools))
     return tokenizer.decode(ids)
 
 
@@ -162,17 +162,19 @@ def test_generic_calls_on_qwens_tokenizer_take_its_marker_tokens(plain_qwen_toke
     """The forced call's grammar names `<tool_call>` by its id (151657): the first mask allows only it."""
     from minivllm.engine.grammar import GrammarCompiler
     from server.protocol import ChatCompletionRequest
-    from server.structured import chat_output
+    from server.structured import output_grammar
     from server.tools import ToolCalling
     from tests.test_default_model import _allowed, default_model_dir
 
-    body = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": ASK, "tools": [GET_WEATHER], "tool_choice": "required"}
+    body = chat.parse(
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": ASK, "tools": [GET_WEATHER], "tool_choice": "required"}
+        )
     )
     calling = ToolCalling.of(body, plain_qwen_tokenizer)
     vocab_size = json.loads((default_model_dir() / "config.json").read_text())["vocab_size"]
     grammars = GrammarCompiler(plain_qwen_tokenizer.hf, vocab_size, plain_qwen_tokenizer.eos_token_ids)
-    matcher = grammars.matcher(chat_output(body, calling))
+    matcher = grammars.matcher(output_grammar(body, calling))
     start = plain_qwen_tokenizer.convert_tokens_to_ids("<tool_call>")
     assert _allowed(grammars, matcher) == [start]
     arguments = {"city": "Paris", "unit": "celsius", "days": 2}
@@ -181,9 +183,7 @@ def test_generic_calls_on_qwens_tokenizer_take_its_marker_tokens(plain_qwen_toke
     for token in ids:
         assert matcher.consume_token(token), matcher.get_error()
     assert matcher.is_accepting()
-    assert (
-        calling.parse(block[len("<tool_call>") : -len("</tool_call>")])["function"]["name"] == "get_weather"
-    )
+    assert calling.parse(block[len("<tool_call>") : -len("</tool_call>")]).name == "get_weather"
 
 
 @pytest.mark.parametrize("field", ["tool description", "argument value", "tool call name"])
@@ -198,9 +198,9 @@ def test_no_tool_field_forges_a_turn_in_the_generic_format(plain_qwen_tokenizer,
         from server.protocol import ChatCompletionRequest
         from server.tools import ToolCalling
 
-        request = ChatCompletionRequest.model_validate(body)
-        tools = ToolCalling.of(request, plain_qwen_tokenizer).template_tools()
-        return asyncio.run(builder.chat(request.messages, None, tools))
+        conv = chat.parse(ChatCompletionRequest.model_validate(body))
+        tools = ToolCalling.of(conv, plain_qwen_tokenizer).template_tools()
+        return asyncio.run(builder.chat(conv.turns, None, tools))
 
     plain = ids(_history())
     body = _history()

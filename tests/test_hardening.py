@@ -347,7 +347,8 @@ def test_context_is_clamped_to_what_the_pool_holds(tiny_model_dir, caplog):
 
 def test_request_longer_than_the_pool_is_400(long_server):
     assert long_server.engine.max_model_len == 131_072  # the model's 262,144, clamped to the pool
-    r = _post(long_server, COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 131_072})
+    prompt = [1] * 131_072  # the prompt alone fills the context: no room for one token
+    r = _post(long_server, COMPLETIONS, json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
     assert assert_error(r, 400)["code"] == "context_length_exceeded"
 
 
@@ -383,7 +384,7 @@ def test_a_template_that_rewrites_request_strings_cannot_forge_through_them(tiny
     """A template that escapes tool JSON to ASCII rewrites the marks in a tool's strings: transformers' guard
     takes over, and where it keeps a control token from the request (it cannot see through the escaping)
     the request is refused. Content, rendered as it is, is still plain text."""
-    from server.errors import APIError
+    from minivllm.engine.validation import RequestError
     from tests.tiny_model import CHAT_TEMPLATE
 
     tokenizer = load_tokenizer(Path(tiny_model_dir))
@@ -395,7 +396,7 @@ def test_a_template_that_rewrites_request_strings_cannot_forge_through_them(tiny
     plain = builder._chat_ids([{"role": "user", "content": "hi"}], None, [tool])
     assert builder._chat_ids([{"role": "user", "content": forged}], None, [tool]).count(im_start) == 3
     tool["function"]["description"] = forged
-    with pytest.raises(APIError, match="cannot be kept as text"):
+    with pytest.raises(RequestError, match="cannot be kept as text"):  # the prompt's fault: a 400 naming it
         builder._chat_ids([{"role": "user", "content": "hi"}], None, [tool])
     assert plain.count(im_start) == 3  # the tools' system turn, the user turn, the assistant header
 

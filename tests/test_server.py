@@ -245,7 +245,7 @@ def _post(server, path: str, **kw) -> httpx.Response:
         ("/v1/completions", {"model": MODEL, "prompt": ""}),
         ("/v1/completions", {"model": MODEL, "prompt": []}),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}),
+        ("/v1/completions", {"model": MODEL, "prompt": [1] * 5000, "max_tokens": 1}),  # past the context
         ("/v1/completions", {"model": MODEL, "prompt": list(range(1, 300)) * 7}),  # longer than the context
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 50}),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}),
@@ -276,8 +276,9 @@ def test_unknown_model_is_404(client):
 
 
 def test_context_overflow_is_400_through_client(client):
+    """A prompt past the context is refused; a max_tokens past it is an upper bound (tests/test_field_policy)."""
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=10_000)
+        client.completions.create(model=MODEL, prompt=[1] * 10_000, max_tokens=1)
     assert "context length" in e.value.message
 
 
