@@ -56,7 +56,7 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, int, int]:
     """Seconds to the first token, cached tokens, of which from disk (stats delta)."""
-    disk_before = engine.stats()["prefix_hit_tokens_disk"]
+    disk_before = engine.stats().prefix_hit_tokens_disk
     start = time.perf_counter()
     seq = engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     while not seq.output_token_ids:
@@ -64,7 +64,7 @@ def ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, int, in
     seconds = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, seq.num_cached_tokens, engine.stats()["prefix_hit_tokens_disk"] - disk_before
+    return seconds, seq.num_cached_tokens, engine.stats().prefix_hit_tokens_disk - disk_before
 
 
 def drop_page_cache(directory: Path) -> bool:

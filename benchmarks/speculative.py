@@ -81,8 +81,8 @@ class Minivllm:
         seqs = [engine.add_request(f"d{time.monotonic_ns()}-{i}", prompt, params) for i in range(batch)]
         rate = decode_rate(engine, seqs)
         after = engine.stats()
-        drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        drafted = after.spec_draft_tokens - before.spec_draft_tokens
+        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
         return rate, accepted / drafted if drafted else math.nan, [s.output_token_ids for s in seqs]
 
 

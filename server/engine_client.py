@@ -7,7 +7,7 @@ from typing import Protocol
 from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.tokenizer import Tokenizer
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import EngineStats, RequestOutput
 
 
 class EngineClient(Protocol):
@@ -29,6 +29,6 @@ class EngineClient(Protocol):
         the first output if refused."""
         ...
 
-    def replica_stats(self) -> dict[str | None, dict]:
+    def replica_stats(self) -> dict[str | None, EngineStats]:
         """Engine stats by replica name (None: a single unnamed engine)."""
         ...

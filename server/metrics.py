@@ -10,9 +10,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from minivllm.outputs import EngineStats
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-# (metric name, help, engine stats key)
+# (metric name, help, EngineStats attribute)
 _GAUGES = (
     ("minivllm_num_requests_running", "Requests running in the engine", "running"),
     ("minivllm_num_requests_waiting", "Requests waiting for admission", "waiting"),
@@ -120,7 +122,7 @@ _COUNTERS = (
 )
 
 
-# (metric name, help, label, {label value: engine stats key}): counters split by a label; their sum over
+# (metric name, help, label, {label value: EngineStats attribute}): counters split by a label; their sum over
 # it is the unsplit total (sum(minivllm_prefix_cache_hits_total) is every prefix-cache hit)
 _SPLIT_COUNTERS = (
     (
@@ -140,19 +142,19 @@ class _EngineCollector:
     def collect(self):
         labels, rows = self._rows()
         for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
-            for name, help_, key in table:
+            for name, help_, attr in table:  # None (no disk tier, no single flight): 0
                 if not labels:
-                    yield family(name, help_, value=rows[0][1].get(key, 0))
+                    yield family(name, help_, value=getattr(rows[0][1], attr) or 0)
                     continue
                 metric = family(name, help_, labels=labels)
                 for values, stats in rows:
-                    metric.add_metric(values, stats.get(key, 0))
+                    metric.add_metric(values, getattr(stats, attr) or 0)
                 yield metric
-        for name, help_, label, keys in _SPLIT_COUNTERS:
+        for name, help_, label, attrs in _SPLIT_COUNTERS:
             metric = CounterMetricFamily(name, help_, labels=labels + [label])
             for values, stats in rows:
-                for value, key in keys.items():
-                    metric.add_metric(values + [value], stats.get(key, 0))
+                for value, attr in attrs.items():
+                    metric.add_metric(values + [value], getattr(stats, attr))
             yield metric
         yield _token_gaps(labels, rows)
         if any(shadow.rates for shadow in self.shadows.values()):
@@ -169,11 +171,11 @@ class _EngineCollector:
                     metric.add_metric(([model] if several else []) + labels, rate.hit_rate)
             yield metric
 
-    def _rows(self) -> tuple[list[str], list[tuple[list[str], dict]]]:
+    def _rows(self) -> tuple[list[str], list[tuple[list[str], EngineStats]]]:
         """The label names, and each engine's label values and stats: unlabelled for one local engine,
         `model` when several models are served, `replica` behind the Ray Serve router."""
         if not self.engines:
-            return [], [([], {})]
+            return [], [([], EngineStats())]
         by_model = {model: engine.replica_stats() for model, engine in self.engines.items()}
         several, replicas = len(by_model) > 1, any(None not in stats for stats in by_model.values())
         labels = (["model"] if several else []) + (["replica"] if replicas else [])
@@ -185,7 +187,7 @@ class _EngineCollector:
         return labels, rows
 
 
-def _token_gaps(labels: list[str], rows: list[tuple[list[str], dict]]) -> HistogramMetricFamily:
+def _token_gaps(labels: list[str], rows: list[tuple[list[str], EngineStats]]) -> HistogramMetricFamily:
     """The engines' inter-token gaps in steps (their cumulative bucket counts) as a Prometheus histogram."""
     metric = HistogramMetricFamily(
         "minivllm_inter_token_steps",
@@ -193,8 +195,8 @@ def _token_gaps(labels: list[str], rows: list[tuple[list[str], dict]]) -> Histog
         labels=labels,
     )
     for values, stats in rows:
-        buckets = [(floatToGoString(b), n) for b, n in stats.get("token_gap_buckets") or [(float("inf"), 0)]]
-        metric.add_metric(values, buckets, stats.get("token_gap_steps", 0))
+        buckets = [(floatToGoString(b), n) for b, n in stats.token_gap_buckets or [(float("inf"), 0)]]
+        metric.add_metric(values, buckets, stats.token_gap_steps)
     return metric
 
 

@@ -29,8 +29,8 @@ async def cache_stats(request: Request) -> dict:
     st: ServerState = request.app.state.server
     total: dict[str, float] = {}
     for stats in st.engine.replica_stats().values():
-        for key, value in stats.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
+        for key, value in asdict(stats).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):  # not None: what it lacks
                 total[key] = total.get(key, 0) + value
     looked_up = total.get("prefix_query_tokens", 0)
     total["hit_rate"] = total.get("prefix_hit_tokens", 0) / looked_up if looked_up else 0.0

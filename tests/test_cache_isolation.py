@@ -84,4 +84,4 @@ def test_single_flight_never_makes_a_follower_of_another_domain(tiny_model_dir):
     restorable = (len(prompt) - 1) // 16 * 16
     assert [o.num_cached_tokens for o in outs] == [0, 0, restorable]  # only x's second restores x's pages
     flights = llm.engine.stats()
-    assert flights["flights_opened"] == 2 and flights["followers_coalesced"] == 1
+    assert flights.flights_opened == 2 and flights.followers_coalesced == 1

@@ -332,7 +332,7 @@ def test_engine_admission_counts_free_running_slots(tiny_model_dir):
     with pytest.raises(QueueFull):
         engine.add_request("r8", [1, 2, 11], params)
     engine.step()  # 4 move to running: the 4 still waiting fill the queue
-    assert (engine.stats()["running"], engine.stats()["waiting"]) == (4, 4)
+    assert (engine.stats().running, engine.stats().waiting) == (4, 4)
     with pytest.raises(QueueFull):
         engine.add_request("r9", [1, 2, 12], params)
 
@@ -438,7 +438,7 @@ def test_output_text_leaves_out_special_tokens_unless_asked(server):
 def test_metrics_export_leader_handovers(server):
     text = httpx.get(server.url + "/metrics").text
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    handovers = server.engine.stats()["leader_handovers"]
+    handovers = server.engine.stats().leader_handovers
     assert samples["minivllm_single_flight_leader_handovers_total"] == handovers
 
 

@@ -282,7 +282,7 @@ def _send(http: httpx.Client, path: str, content: bytes) -> None:
 
 def _pool(server) -> dict:
     stats = server.engine.stats()
-    return {k: stats[k] for k in ("pages_total", "pages_in_use", "running", "waiting")}
+    return {k: getattr(stats, k) for k in ("pages_total", "pages_in_use", "running", "waiting")}
 
 
 def test_hostile_requests_get_no_5xx_and_clean_errors_and_leave_the_pool_as_it_was(server):
@@ -305,7 +305,7 @@ def test_hostile_requests_get_no_5xx_and_clean_errors_and_leave_the_pool_as_it_w
         server.wait_idle(timeout=60)
         assert _pool(server) == before
         stats = server.engine.stats()
-        assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+        assert stats.pages_free + stats.pages_cached == stats.pages_total
         normal = http.post("/v1/chat/completions", json=PROTOCOLS["/v1/chat/completions"][0])
         assert normal.status_code == 200 and normal.json()["choices"][0]["message"]["role"] == "assistant"
         anthropic = http.post("/v1/messages", json=PROTOCOLS["/v1/messages"][0])

@@ -77,18 +77,18 @@ def test_a_prompt_evicted_from_ram_restores_from_disk(tiny_model_dir, reference,
     prompt = random_prompts([n], seed=n)[0]
     cold = generate(engine, "cold", prompt)
     evict_ram(engine, seed=n)
-    ram_hits = engine.stats()["prefix_hit_tokens_ram"]
+    ram_hits = engine.stats().prefix_hit_tokens_ram
     warm = generate(engine, "warm", prompt)
     restored = (n - 1) // PAGE * PAGE
     stats = engine.stats()
     assert cold.num_cached_tokens == 0
     assert warm.num_cached_tokens == restored and warm.num_computed_prompt_tokens == n - restored
-    assert stats["prefix_hit_tokens_disk"] == restored and stats["prefix_hit_tokens_ram"] == ram_hits
-    assert stats["kv_disk_pages_read"] == restored // PAGE == stats["pages_from_disk"]
+    assert stats.prefix_hit_tokens_disk == restored and stats.prefix_hit_tokens_ram == ram_hits
+    assert stats.kv_disk_pages_read == restored // PAGE == stats.pages_from_disk
     assert warm.output_token_ids == cold.output_token_ids == reference.greedy(prompt, 8)
     # the restored pages are published in RAM again: the next request hits them there
     again = generate(engine, "again", prompt)
-    assert again.num_cached_tokens == restored and engine.stats()["prefix_hit_tokens_disk"] == restored
+    assert again.num_cached_tokens == restored and engine.stats().prefix_hit_tokens_disk == restored
     engine.close()
 
 
@@ -98,9 +98,9 @@ def test_a_new_engine_on_the_directory_restores_the_last_runs_prompts(tiny_model
     generate(first, "first", prompt)
     first.close()  # writes what is queued, releases the directory
     second = make_engine(tiny_model_dir, tmp_path / "disk")
-    assert second.stats()["kv_disk_pages"] == (100 + 8 - 1) // PAGE
+    assert second.stats().kv_disk_pages == (100 + 8 - 1) // PAGE
     warm = generate(second, "warm", prompt)
-    assert warm.num_cached_tokens == 96 and second.stats()["prefix_hit_tokens_disk"] == 96
+    assert warm.num_cached_tokens == 96 and second.stats().prefix_hit_tokens_disk == 96
     assert warm.output_token_ids == reference.greedy(prompt, 8)
     second.close()
 
@@ -147,7 +147,7 @@ def test_kill_9_mid_write_leaves_a_directory_the_next_start_accepts(tiny_model_d
     assert not any(p.name.endswith(".tmp") for p in (disk / "pages").iterdir())
     prompt = random_prompts([100], seed=7)[0]
     warm = generate(engine, "warm", prompt)
-    assert warm.num_cached_tokens == 96 and engine.stats()["prefix_hit_tokens_disk"] == 96
+    assert warm.num_cached_tokens == 96 and engine.stats().prefix_hit_tokens_disk == 96
     assert warm.output_token_ids == reference.greedy(prompt, 8)
     engine.close()
 
@@ -170,7 +170,7 @@ def test_identical_prompts_read_the_disk_once(tiny_model_dir, reference, tmp_pat
     assert [s.num_cached_tokens for s in seqs] == [96] * 3
     assert all(s.output_token_ids == reference.greedy(prompt, 8) for s in seqs)
     stats = engine.stats()
-    assert stats["kv_disk_pages_read"] == 6 and stats["prefix_hit_tokens_disk"] == 96
+    assert stats.kv_disk_pages_read == 6 and stats.prefix_hit_tokens_disk == 96
     engine.close()
     assert engine.kv.disk is None and generate(engine, "after", prompt).num_cached_tokens == 96  # RAM alone
 
@@ -186,8 +186,8 @@ def test_the_directory_stays_within_its_budget(tiny_model_dir, tmp_path):
         engine.kv.disk.flush()
         assert disk_usage(disk) <= budget + slack
     stats = engine.stats()
-    assert stats["kv_disk_pages_evicted"] > 0 and stats["kv_disk_bytes"] <= budget
-    assert stats["kv_disk_pages"] == len(list((disk / "pages").iterdir()))
+    assert stats.kv_disk_pages_evicted > 0 and stats.kv_disk_bytes <= budget
+    assert stats.kv_disk_pages == len(list((disk / "pages").iterdir()))
     engine.close()
     smaller = make_engine(tiny_model_dir, disk, disk_bytes=budget // 2)  # a smaller budget trims at start
     assert disk_usage(disk) <= budget // 2 + slack
@@ -222,7 +222,7 @@ def test_a_damaged_page_file_costs_a_recompute_never_an_output(
     warm = generate(engine, "warm", prompt)
     assert warm.num_cached_tokens == 2 * PAGE  # pages 0 and 1; page 2 and the rest are computed
     assert warm.output_token_ids == reference.greedy(prompt, 8)
-    assert engine.stats()["kv_disk_pages_rejected"] == 1
+    assert engine.stats().kv_disk_pages_rejected == 1
     engine.kv.disk.flush()  # deleted, then written again, whole, from the recompute
     assert page_path(disk, prompt, 2).stat().st_size == engine.kv.disk.identity.file_bytes
     engine.close()
@@ -237,7 +237,7 @@ def test_a_directory_another_model_wrote_is_never_served(tiny_model_dir, referen
     written = len(list((disk / "pages").iterdir()))
     other_dir = make_tiny_model(tmp_path / "other", seed=1)  # same shapes, other weights
     other = make_engine(other_dir, disk)
-    assert other.stats()["kv_disk_pages_rejected"] == written and other.stats()["kv_disk_pages"] == 0
+    assert other.stats().kv_disk_pages_rejected == written and other.stats().kv_disk_pages == 0
     seq = generate(other, "other", prompt)
     assert seq.num_cached_tokens == 0
     assert seq.output_token_ids == MlxLmReference(other_dir).greedy(prompt, 8)
@@ -255,7 +255,7 @@ def test_an_unusable_directory_leaves_the_engine_serving_with_a_warning(
     assert "KV disk tier off" in caplog.text
     prompt = random_prompts([40], seed=41)[0]
     assert generate(engine, "r", prompt).output_token_ids == reference.greedy(prompt, 8)
-    assert "kv_disk_pages" not in engine.stats()
+    assert engine.stats().kv_disk_pages is None
     engine.close()
 
 
@@ -277,7 +277,7 @@ def test_a_full_disk_fails_writes_with_a_warning_and_the_engine_serves_on(
     evict_ram(engine, seed=51)
     again = generate(engine, "again", prompt)
     stats = engine.stats()
-    assert stats["kv_disk_write_errors"] > 0 and stats["kv_disk_pages"] == 0 and again.num_cached_tokens == 0
+    assert stats.kv_disk_write_errors > 0 and stats.kv_disk_pages == 0 and again.num_cached_tokens == 0
     assert first.output_token_ids == again.output_token_ids == reference.greedy(prompt, 8)
     assert not list((tmp_path / "disk" / "pages").iterdir())  # no temporary file left behind
     engine.close()

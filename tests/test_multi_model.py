@@ -69,7 +69,7 @@ def test_each_model_has_its_own_prefix_cache(server, references):
     for model in NAMES:
         assert again[model]["choices"][0]["text"] == decode(references[model].greedy(long, 10))
     engines = {name: st.engine.engine for name, st in server.app.state.models.items()}
-    assert all(engines[m].stats()["prefix_hit_tokens"] >= 96 for m in NAMES)
+    assert all(engines[m].stats().prefix_hit_tokens >= 96 for m in NAMES)
     assert engines["alpha"].kv is not engines["beta"].kv
 
 
@@ -89,10 +89,10 @@ def test_models_listed_unknown_404_and_every_protocol_routes(server):
     }
     for path, body in bodies.items():
         for model in NAMES:
-            before = {m: engines[m].stats()["prefix_lookups"] for m in NAMES}
+            before = {m: engines[m].stats().prefix_lookups for m in NAMES}
             r = httpx.post(server.url + path, json={"model": model, **body}, timeout=60)
             assert r.status_code == 200, (path, r.text)
-            after = {m: engines[m].stats()["prefix_lookups"] for m in NAMES}
+            after = {m: engines[m].stats().prefix_lookups for m in NAMES}
             other = NAMES[1 - NAMES.index(model)]
             assert after[model] > before[model] and after[other] == before[other], path
         assert httpx.post(server.url + path, json={"model": "gamma", **body}).status_code == 404, path

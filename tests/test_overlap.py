@@ -112,7 +112,7 @@ def test_a_step_ahead_never_preempts(tiny_model_dir, reference):
     engine = make_engine(tiny_model_dir, kv_cache_bytes=16 * BYTES_PER_PAGE, max_num_seqs=4,
                          enable_prefix_caching=False)  # fmt: skip
     seen = run(engine, {f"p{i}": (p, greedy(60)) for i, p in enumerate(prompts)})
-    assert engine.stats()["preemptions"] > 0 and engine.num_steps_ahead > 0
+    assert engine.stats().preemptions > 0 and engine.num_steps_ahead > 0
     assert [seen[f"p{i}"][0] for i in range(4)] == [reference.greedy(p, 60) for p in prompts]
 
 

@@ -68,12 +68,12 @@ def test_a_pin_is_released_at_its_ttl_and_refreshed_by_a_hit(tiny_model_dir):
     assert ask(engine, "hit", PINNED).num_cached_tokens == 160  # the hit starts the 300 s again
     clock.now += 200  # 400 s after the pin, 200 s after the hit
     flood(engine, seed=2)
-    assert engine.stats()["pages_pinned"] == 10
+    assert engine.stats().pages_pinned == 10
     assert ask(engine, "still-pinned", PINNED).num_cached_tokens == 160
     clock.now += 301  # no hit for more than the TTL
     flood(engine, seed=3)
     stats = engine.stats()
-    assert stats["pages_pinned"] == 0 and stats["pins_expired"] == 1
+    assert stats.pages_pinned == 0 and stats.pins_expired == 1
     assert ask(engine, "expired", PINNED).cache.prefix_miss == PrefixMiss(0, "evicted")
 
 
@@ -82,9 +82,9 @@ def test_pins_stay_within_half_the_pool_and_the_oldest_give_way(tiny_model_dir):
     prompts = random_prompts([161, 161, 161, 161], seed=7)  # 10 pages each; the bound is 32
     for i, prompt in enumerate(prompts):
         ask(engine, f"pin-{i}", prompt, pins=((len(prompt), 300.0),))
-        assert engine.stats()["pages_pinned"] <= POOL_PAGES // 2
+        assert engine.stats().pages_pinned <= POOL_PAGES // 2
     stats = engine.stats()
-    assert stats["pins"] == 3 and stats["pins_given_way"] == 1 and stats["pages_pinned"] == 30
+    assert stats.pins == 3 and stats.pins_given_way == 1 and stats.pages_pinned == 30
     flood(engine, seed=4)
     assert ask(engine, "oldest", prompts[0]).num_cached_tokens == 0  # it gave way, then the flood
     for i, prompt in enumerate(prompts[1:]):
@@ -115,7 +115,7 @@ def test_a_pin_covers_whole_pages_of_the_tokens_it_names(tiny_model_dir):
     engine = pool_engine(tiny_model_dir)
     seq = ask(engine, "part", PINNED, pins=((47, 300.0), (100, 60.0)))
     assert [(p.tokens, p.pages) for p in seq.cache.pins] == [(32, 2), (96, 6)]
-    assert engine.stats()["pages_pinned"] == 6  # the shorter pin's pages are the longer one's
+    assert engine.stats().pages_pinned == 6  # the shorter pin's pages are the longer one's
 
 
 def test_a_restore_that_stops_short_says_where_and_why(tiny_model_dir):
@@ -141,11 +141,11 @@ def test_pins_give_way_to_a_request_that_could_not_fit_beside_them(tiny_model_di
     prompts = random_prompts([161, 161, 161], seed=11)
     for i, prompt in enumerate(prompts):
         ask(engine, f"pin-{i}", prompt, pins=((len(prompt), 300.0),))
-    assert engine.stats()["pages_pinned"] == 30
+    assert engine.stats().pages_pinned == 30
     big = ask(engine, "big", random_prompts([700], seed=12)[0])  # 44 pages: more than the 34 unpinned
     assert big.finish_reason == "length" and len(big.output_token_ids) == 4
     stats = engine.stats()
-    assert stats["pins_given_way"] == 1 and stats["pages_pinned"] == 20  # only the oldest gave way
+    assert stats.pins_given_way == 1 and stats.pages_pinned == 20  # only the oldest gave way
     assert ask(engine, "newest", prompts[2]).num_cached_tokens == 160
 
 
@@ -168,5 +168,5 @@ def test_a_pinned_prefix_stays_on_disk_through_a_flood_and_restores_after_a_rest
     engine.close()
     restarted = disk_engine(disk_pages * 3 * 4096)  # pins are RAM state; the files stayed
     again = ask(restarted, "pinned-again", PINNED)
-    assert again.num_cached_tokens == 160 and restarted.stats()["prefix_hit_tokens_disk"] == 160
+    assert again.num_cached_tokens == 160 and restarted.stats().prefix_hit_tokens_disk == 160
     assert ask(restarted, "other-again", other).num_cached_tokens == 0

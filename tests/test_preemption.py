@@ -41,13 +41,13 @@ def test_cached_tokens_count_only_prompt_tokens_restored_at_first_admission(tiny
     run(engine, [])
     seqs = [engine.add_request(f"r{i}", p, greedy(60)) for i, p in enumerate(cold + [warm])]
     run(engine, seqs)
-    assert engine.stats()["preemptions"] > 0 and all(s.num_preemptions for s in seqs[2:])
+    assert engine.stats().preemptions > 0 and all(s.num_preemptions for s in seqs[2:])
     # readmission restores pages (the request's own generated ones too) but that is not a prompt cache hit
     assert [s.num_cached_tokens for s in seqs] == [0, 0, 0, 32]
     stats = engine.stats()
-    assert stats["prefix_lookups"] == 5
-    assert stats["prefix_query_tokens"] == 35 + 20 + 25 + 30 + 35
-    assert stats["prefix_hit_tokens"] == 32
+    assert stats.prefix_lookups == 5
+    assert stats.prefix_query_tokens == 35 + 20 + 25 + 30 + 35
+    assert stats.prefix_hit_tokens == 32
     assert [s.output_token_ids for s in seqs] == [reference.greedy(p, 60) for p in cold + [warm]]
 
 
@@ -63,7 +63,7 @@ def test_a_preempted_request_is_not_readmitted_in_the_step_that_preempted_it(tin
         engine.add_request("twin-2", twin, greedy(30)),
     ]
     assert run(engine, seqs) == []
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     assert [s.output_token_ids for s in seqs] == [
         reference.greedy(older, 80),
         *[reference.greedy(twin, 30)] * 2,
@@ -88,7 +88,7 @@ def test_a_request_that_can_never_fit_is_stopped_without_preempting_the_others(t
     assert "27 KV pages" in last.error and "the pool has 12" in last.error
     assert all(s.status == SequenceStatus.RUNNING for s in others)
     run(engine, others)
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
     assert giant.output_token_ids == reference.greedy(big, 9)
     assert [s.output_token_ids for s in others] == [reference.greedy(p, 14) for p in small]
     assert engine.kv.pool.num_in_use == 0

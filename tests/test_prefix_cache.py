@@ -53,7 +53,7 @@ def test_repeated_prompt_restores_whole_pages_but_the_last_token(tiny_model_dir,
     assert cold.cache.num_published_prompt_tokens == n // 16 * 16
     assert warm.cache.num_published_prompt_tokens == 0
     stats = engine.stats()
-    assert stats["prefix_hit_tokens"] == restored and stats["prefix_query_tokens"] == 2 * n
+    assert stats.prefix_hit_tokens == restored and stats.prefix_query_tokens == 2 * n
 
 
 def start_and_decode(engine, rid, prompt, steps=3):
@@ -106,7 +106,7 @@ def test_small_pool_evicts_only_unreferenced_pages(tiny_model_dir):
         engine.add_request(f"r{i}", prompt, greedy(12))
     run(engine, check=True)
     stats = engine.stats()
-    assert stats["pages_evicted"] > 0
+    assert stats.pages_evicted > 0
     pool = engine.kv.pool
     assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages
 
@@ -293,10 +293,10 @@ def test_concurrent_long_prompts_through_a_small_pool_leave_nothing_unreachable(
         engine.add_request(f"again{i}", prompt + [7, 8, 9], greedy(10))
     run(engine, check=True)
     stats = engine.stats()
-    assert stats["pages_evicted"] > 0
+    assert stats.pages_evicted > 0
     if policy == "adaptive":
-        assert stats["pages_unreachable"] == 0  # check_invariants asserts it too (prefix-aware policy)
+        assert stats.pages_unreachable == 0  # check_invariants asserts it too (prefix-aware policy)
     else:
-        assert stats["pages_unreachable"] > 0  # LRU gives up heads: the workload does strand pages
+        assert stats.pages_unreachable > 0  # LRU gives up heads: the workload does strand pages
     pool = engine.kv.pool
     assert pool.num_in_use == 0 and pool.num_free + pool.num_cached == pool.num_pages

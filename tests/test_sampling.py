@@ -163,7 +163,7 @@ def test_out_of_vocabulary_bias_and_bad_grammar_are_refused(llm, prompt):
 
 # -- structured output ------------------------------------------------------------------------------------
 def test_json_schema_output_validates_in_20_of_20_samples(llm, prompt):
-    masks_before = llm.engine.stats()["grammar_masks"]
+    masks_before = llm.engine.stats().grammar_masks
     spec = StructuredOutput(json_schema=PERSON)
     params = [
         SamplingParams(max_tokens=200, temperature=1.0, seed=s, structured_output=spec) for s in range(20)
@@ -174,7 +174,7 @@ def test_json_schema_output_validates_in_20_of_20_samples(llm, prompt):
         assert out.finish_reason == "stop"
     assert len({o.text for o in outs}) > 10  # sampled, not one forced answer
     generated = sum(len(o.token_ids) for o in outs)
-    assert llm.engine.stats()["grammar_masks"] - masks_before == generated  # one mask per token
+    assert llm.engine.stats().grammar_masks - masks_before == generated  # one mask per token
 
 
 def test_constrained_and_free_requests_share_steps(llm, prompt):
@@ -213,6 +213,6 @@ def test_grammar_survives_preemption(tiny_model_dir):
     ]
     prompts = [[5 + i] * 40 for i in range(4)]
     outs = llm.generate(prompts, params)
-    assert llm.engine.stats()["preemptions"] > 0
+    assert llm.engine.stats().preemptions > 0
     for out in outs:
         jsonschema.validate(json.loads(out.text), PERSON)

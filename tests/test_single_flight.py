@@ -49,11 +49,11 @@ def test_eight_identical_prompts_compute_the_prompt_once(tiny_model_dir, prompt,
     engine = make_engine(tiny_model_dir, mode)
     seqs = [engine.add_request(f"r{i}", prompt, greedy()) for i in range(8)]
     run(engine)
-    assert engine.stats()["computed_prompt_tokens"] == N + 7 * (N - RESTORED)
+    assert engine.stats().computed_prompt_tokens == N + 7 * (N - RESTORED)
     assert [s.flight_role for s in seqs] == ["leader"] + ["follower"] * 7
     assert [s.num_cached_tokens for s in seqs] == [0] + [RESTORED] * 7
     assert all(s.output_token_ids == independent_output for s in seqs)
-    assert engine.stats()["flights_opened"] == 1 and engine.stats()["followers_coalesced"] == 7
+    assert engine.stats().flights_opened == 1 and engine.stats().followers_coalesced == 7
 
 
 def test_after_prefill_releases_followers_while_the_leader_decodes(tiny_model_dir, prompt):
@@ -125,14 +125,14 @@ def test_distinct_and_partially_shared_prompts_are_never_coalesced(tiny_model_di
     seqs = [engine.add_request(f"r{i}", p, greedy()) for i, p in enumerate([prompt, other, partial])]
     run(engine)
     assert [s.flight_role for s in seqs] == ["leader"] * 3
-    assert engine.stats()["followers_coalesced"] == 0
+    assert engine.stats().followers_coalesced == 0
 
 
 def test_off_reproduces_independent_execution(tiny_model_dir, prompt, independent_output):
     engine = make_engine(tiny_model_dir, "off")
     seqs = [engine.add_request(f"r{i}", prompt, greedy()) for i in range(4)]
     run(engine)
-    assert engine.stats()["computed_prompt_tokens"] == 4 * N
+    assert engine.stats().computed_prompt_tokens == 4 * N
     assert all(s.num_cached_tokens == 0 and s.flight_role is None for s in seqs)
     assert all(s.output_token_ids == independent_output for s in seqs)
 
@@ -199,7 +199,7 @@ def test_a_fan_out_sharing_a_long_prefix_computes_it_once(tiny_model_dir, refere
     prompts = [shared + s for s in suffixes]
     llm = LLM(tiny_model_dir, kv_cache_bytes=64 << 20, max_num_batched_tokens=budget)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
-    computed = llm.engine.stats()["computed_prompt_tokens"]
+    computed = llm.engine.stats().computed_prompt_tokens
     ideal = len(shared) + sum(len(s) for s in suffixes)
     assert computed <= 1.3 * ideal, (computed, ideal)
     for prompt, out in zip(prompts, outs):
@@ -214,7 +214,7 @@ def test_the_waiters_of_a_preempted_prefix_owner_finish_correctly(tiny_model_dir
     prompts = [shared + s for s in suffixes]
     llm = LLM(tiny_model_dir, kv_cache_bytes=24 * BYTES_PER_PAGE, max_num_batched_tokens=64)
     outs = llm.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
-    assert llm.engine.stats()["preemptions"] > 0
+    assert llm.engine.stats().preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == reference.greedy(prompt, 60)
     assert llm.engine.kv.state().in_use == 0

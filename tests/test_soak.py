@@ -99,7 +99,7 @@ def test_soak_leaves_no_pages_no_requests_and_flat_memory(tiny_model_dir):
     statuses = {(behaviour, status) for behaviour, status in results}
     assert statuses <= {("wait", 200), ("drop", 200), ("drop", None), ("bad", 400)}, statuses
     assert sum(status is None for _, status in results) > 50  # the disconnects really happened
-    assert (stats["pages_in_use"], stats["running"], stats["waiting"]) == (0, 0, 0)
-    assert stats["pages_free"] + stats["pages_cached"] == stats["pages_total"]
+    assert (stats.pages_in_use, stats.running, stats.waiting) == (0, 0, 0)
+    assert stats.pages_free + stats.pages_cached == stats.pages_total
     print(f"RSS growth over {REQUESTS} requests: {growth / 2**20:.1f} MiB")
     assert growth < RSS_GROWTH_LIMIT

@@ -171,9 +171,9 @@ def test_greedy_outputs_are_the_same_with_and_without_speculation(
     assert got == expected
     assert [expected[f"r{i}"][0] for i in range(len(prompts))] == [ref.greedy(p, 48) for p in prompts]
     stats = spec.stats()
-    assert stats["spec_draft_tokens"] > 10
+    assert stats.spec_draft_tokens > 10
     if model == "looping":  # drafts hit: several tokens per step
-        assert stats["spec_accepted_tokens"] > 0.3 * stats["spec_draft_tokens"]
+        assert stats.spec_accepted_tokens > 0.3 * stats.spec_draft_tokens
         assert spec.num_steps < 0.8 * plain.num_steps
 
 
@@ -206,7 +206,7 @@ def test_drafts_accepted_in_part_keep_greedy_exact_and_publish_only_true_kv(
     assert [got[f"r{i}"][0] for i in range(len(prompts))] == [t[len(p) :] for t, p in zip(truths, prompts)]
     assert all(total <= 48 for total, _ in steps)  # drafted tokens count in the step's budget
     stats = spec.stats()
-    accepted, drafted = stats["spec_accepted_tokens"], stats["spec_draft_tokens"]
+    accepted, drafted = stats.spec_accepted_tokens, stats.spec_draft_tokens
     assert 0.2 * drafted < accepted < 0.9 * drafted  # whole, partial and failed verifications
     theirs, ours = published_kv(plain), published_kv(spec)
     common = set(theirs) & set(ours)
@@ -236,7 +236,7 @@ def test_stop_tokens_and_length_limits_cut_where_they_would_without_drafts(
     assert got["stop"] == (full[0][: full[0].index(stop) + 1], "stop")
     assert got["length"] == (full[1][:13], "length")
     assert got["context"] == (full[2][: 50 - 18], "length")
-    assert engine.stats()["spec_accepted_tokens"] > 20
+    assert engine.stats().spec_accepted_tokens > 20
 
 
 def test_drafts_take_only_free_pages_and_never_preempt(tiny_model_dir, reference, monkeypatch):
@@ -258,7 +258,7 @@ def test_drafts_take_only_free_pages_and_never_preempt(tiny_model_dir, reference
     got = run(engine, requests)
     assert [got[f"r{i}"][0] for i in range(len(prompts))] == [t[len(p) :] for t, p in zip(truths, prompts)]
     stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 40
+    assert stats.preemptions > 0 and stats.spec_accepted_tokens > 40
 
 
 # -- sampling: the same draws, the target's distribution -----------------------------------------------
@@ -277,7 +277,7 @@ def test_seeded_samples_are_the_same_with_and_without_speculation(tiny_model_dir
     monkeypatch.setattr(scheduler_module, "propose", oracle_drafter(truths, seed=2))
     spec = make_engine(tiny_model_dir, **config)
     assert run(spec, requests, arrivals={"r5": 6}) == expected
-    assert spec.stats()["spec_accepted_tokens"] > 40
+    assert spec.stats().spec_accepted_tokens > 40
 
 
 def next_token_logits(ref: MlxLmReference, prompt: list[int], tokens: list[int]) -> mx.array:
@@ -327,8 +327,8 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_model_dir, reference, 
     assert len(exp_bins) > 20
     assert p_value > 1e-3, f"chi-square {statistic:.0f} over {len(exp_bins)} bins: p = {p_value:.2g}"
     stats = engine.stats()
-    assert stats["spec_draft_tokens"] == n  # every request verified one drafted token
-    assert 0.1 * n < stats["spec_accepted_tokens"] < 0.9 * n  # accepted and rejected drafts alike
+    assert stats.spec_draft_tokens == n  # every request verified one drafted token
+    assert 0.1 * n < stats.spec_accepted_tokens < 0.9 * n  # accepted and rejected drafts alike
 
 
 # -- who drafts -------------------------------------------------------------------------------------------------
@@ -342,14 +342,14 @@ def test_requests_that_need_each_token_on_the_host_and_large_batches_never_draft
     }
     engine = make_engine(looping_model_dir)
     run(engine, {k: (base * 4, p) for k, p in special.items()})
-    assert engine.stats()["spec_draft_tokens"] == 0
+    assert engine.stats().spec_draft_tokens == 0
     many = {f"r{i}": (base * 4 + [i], greedy(24)) for i in range(scheduler_module.SPEC_MAX_DECODES + 1)}
     engine = make_engine(looping_model_dir)
     run(engine, many)
-    assert engine.stats()["spec_draft_tokens"] == 0
+    assert engine.stats().spec_draft_tokens == 0
     engine = make_engine(looping_model_dir)
     run(engine, dict(list(many.items())[: scheduler_module.SPEC_MAX_DECODES]))
-    assert engine.stats()["spec_draft_tokens"] > 0
+    assert engine.stats().spec_draft_tokens > 0
 
 
 def test_with_overlap_a_verification_is_never_run_ahead(looping_model_dir, looping_reference):
@@ -359,10 +359,11 @@ def test_with_overlap_a_verification_is_never_run_ahead(looping_model_dir, loopi
     got = run(engine, requests)  # the runner refuses to build a step after a verification
     assert [got[f"r{i}"][0] for i in range(4)] == [looping_reference.greedy(p, 40) for p in prompts]
     stats = engine.stats()
-    assert stats["spec_accepted_tokens"] > 0 and stats["steps_ahead"] > 0  # backed-off requests overlap
+    assert stats.spec_accepted_tokens > 0 and stats.steps_ahead > 0  # backed-off requests overlap
 
 
 def test_the_settings_and_the_metrics():
+    from minivllm.outputs import EngineStats
     from server.metrics import Metrics
     from server.settings import Settings, SettingsError
 
@@ -377,7 +378,7 @@ def test_the_settings_and_the_metrics():
 
     class Engine:
         def replica_stats(self):
-            return {None: {"spec_draft_tokens": 7, "spec_accepted_tokens": 5}}
+            return {None: EngineStats(spec_draft_tokens=7, spec_accepted_tokens=5)}
 
     metrics = Metrics()
     metrics.bind_engines({"tiny": Engine()})

@@ -41,7 +41,7 @@ def page(server):
 
 
 def running(server) -> int:
-    return server.engine.stats()["running"]
+    return server.engine.stats().running
 
 
 def ask(page, text: str) -> None:

@@ -19,7 +19,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.validation import RequestError
-from minivllm.outputs import FinishReason, RequestOutput
+from minivllm.outputs import EngineStats, FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.stats_snapshot: dict = self.engine.stats()
+        self.stats_snapshot: EngineStats = self.engine.stats()
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -69,7 +69,7 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
-    def replica_stats(self) -> dict[str | None, dict]:
+    def replica_stats(self) -> dict[str | None, EngineStats]:
         """The engine's latest stats; one process is one unnamed replica (the server's common view of
         a single engine and of several behind a router)."""
         return {None: self.stats_snapshot}

@@ -30,7 +30,7 @@ from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import detect_backend
 from minivllm.models.identity import model_digest
 from minivllm.models.loader import activation_dtype, load_model, module_arrays
-from minivllm.outputs import FinishReason, QueueFull, RequestOutput
+from minivllm.outputs import EngineStats, FinishReason, QueueFull, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -319,50 +319,48 @@ class LLMEngine:
     def check_invariants(self) -> None:
         self.kv.check_invariants([s.cache for s in self.scheduler.running])
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         c, p, pages = self.scheduler.counters, self.kv.counters, self.kv.state()
-        stats = {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "pages_total": pages.total,
-            "pages_free": pages.free,
-            "pages_cached": pages.cached,
-            "pages_in_use": pages.in_use,
-            "prefix_lookups": c.lookups,
-            "prefix_query_tokens": c.query_tokens,
-            "prefix_hit_tokens": c.hit_tokens,
-            "prefix_hit_tokens_ram": c.hit_tokens - c.disk_hit_tokens,
-            "prefix_hit_tokens_disk": c.disk_hit_tokens,
-            "computed_prompt_tokens": c.computed_prompt_tokens,
-            "preemptions": c.preemptions,
-            "prefix_waiters": c.prefix_waiters,
-            "pages_published": p.pages_published,
-            "pages_evicted": p.pages_evicted,
-            "pages_unreachable": p.pages_unreachable,
-            "pages_restored": p.pages_restored,
-            "pages_from_disk": p.pages_from_disk,
-            "pages_pinned": self.kv.pins.num_pages,
-            "pins": self.kv.pins.num_pins,
-            "pins_made": self.kv.pin_counters.pins_made,
-            "pins_refreshed": self.kv.pin_counters.pins_refreshed,
-            "pins_expired": self.kv.pin_counters.pins_expired,
-            "pins_given_way": self.kv.pin_counters.pins_given_way,
-            "steps": self.num_steps,
-            "steps_ahead": self.num_steps_ahead,
-            "token_gap_buckets": self.token_gaps.cumulative(),
-            "token_gap_steps": self.token_gaps.total_steps,
-            "spec_draft_tokens": self.scheduler.spec_counters.draft_tokens,
-            "spec_accepted_tokens": self.scheduler.spec_counters.accepted_tokens,
-            "grammar_masks": self.mask_counters.masks,
-            "grammar_mask_seconds": self.mask_counters.seconds,
-        }
-        stats |= self.kv.disk_stats()
+        stats = EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            pages_total=pages.total,
+            pages_free=pages.free,
+            pages_cached=pages.cached,
+            pages_in_use=pages.in_use,
+            prefix_lookups=c.lookups,
+            prefix_query_tokens=c.query_tokens,
+            prefix_hit_tokens=c.hit_tokens,
+            prefix_hit_tokens_ram=c.hit_tokens - c.disk_hit_tokens,
+            prefix_hit_tokens_disk=c.disk_hit_tokens,
+            computed_prompt_tokens=c.computed_prompt_tokens,
+            preemptions=c.preemptions,
+            prefix_waiters=c.prefix_waiters,
+            pages_published=p.pages_published,
+            pages_evicted=p.pages_evicted,
+            pages_unreachable=p.pages_unreachable,
+            pages_restored=p.pages_restored,
+            pages_from_disk=p.pages_from_disk,
+            pages_pinned=self.kv.pins.num_pages,
+            pins=self.kv.pins.num_pins,
+            pins_made=self.kv.pin_counters.pins_made,
+            pins_refreshed=self.kv.pin_counters.pins_refreshed,
+            pins_expired=self.kv.pin_counters.pins_expired,
+            pins_given_way=self.kv.pin_counters.pins_given_way,
+            steps=self.num_steps,
+            steps_ahead=self.num_steps_ahead,
+            token_gap_buckets=self.token_gaps.cumulative(),
+            token_gap_steps=self.token_gaps.total_steps,
+            spec_draft_tokens=self.scheduler.spec_counters.draft_tokens,
+            spec_accepted_tokens=self.scheduler.spec_counters.accepted_tokens,
+            grammar_masks=self.mask_counters.masks,
+            grammar_mask_seconds=self.mask_counters.seconds,
+            **self.kv.disk_stats(),
+        )
         if self.scheduler.flights:
             f = self.scheduler.flights.counters
-            stats |= {
-                "flights_opened": f.flights_opened,
-                "followers_coalesced": f.followers_coalesced,
-                "leader_handovers": f.leader_handovers,
-                "follower_wait_seconds": f.follower_wait_seconds,
-            }
+            stats.flights_opened = f.flights_opened
+            stats.followers_coalesced = f.followers_coalesced
+            stats.leader_handovers = f.leader_handovers
+            stats.follower_wait_seconds = f.follower_wait_seconds
         return stats

@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from minivllm.cache.hints import CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.models.loader import load_tokenizer
-from minivllm.outputs import FinishReason, RequestOutput
+from minivllm.outputs import EngineStats, FinishReason, RequestOutput
 from server.cluster import router_registry
 from server.settings import Settings
 
@@ -60,9 +60,12 @@ class RemoteEngine:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def replica_stats(self) -> dict[str | None, dict]:
-        """The stats each live replica last reported (Ray Serve polls them every second or so)."""
-        return {name: dict(replica.routing_stats or {}) for name, replica in self._router.live.items()}
+    def replica_stats(self) -> dict[str | None, EngineStats]:
+        """The stats each live replica last reported (Ray Serve polls them every second or so; all zero
+        until the first report)."""
+        return {
+            name: EngineStats(**(replica.routing_stats or {})) for name, replica in self._router.live.items()
+        }
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache: CacheHints | None = None

@@ -3,6 +3,7 @@
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import asdict, replace
 
 from minivllm.cache.hints import CacheHints
 from minivllm.engine.async_engine import AsyncEngine
@@ -33,7 +34,7 @@ class EngineReplica:
         """Ray Serve polls this and hands it to the routers (the ingress's /metrics reads it there). The
         report count tells a reader that the stats it sees are newer than an event it waits for."""
         self.stats_reports += 1
-        return dict(self.engine.stats_snapshot) | {"stats_reports": self.stats_reports}
+        return asdict(replace(self.engine.stats_snapshot, stats_reports=self.stats_reports))
 
     def check_health(self) -> None:
         """Ray Serve replaces a replica whose engine thread has stopped."""
