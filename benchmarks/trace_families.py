@@ -162,7 +162,7 @@ class Drawn:
 
 def _forest_params(rng: random.Random) -> dict:
     return dict(
-        n_requests=rng.choice((2000, 4000, 8000)),
+        n_requests=rng.choice((3000, 6000)),
         n_systems=rng.randint(2, 12),
         live=rng.choice((10, 20, 30, 50, 80, 120, 200)),
         continue_prob=round(rng.uniform(0.45, 0.75), 2),

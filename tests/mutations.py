@@ -166,9 +166,20 @@ MUTATIONS = [
         "default-never-switches",
         "the default policy keeps its first configuration whichever shadow hits more",
         "minivllm/cache/eviction.py",
-        "        if self.mode == 0 and self.lead < -self._margin or self.mode == 1 and self.lead > self._margin:",
+        "        if self.scores[leader] - self.scores[self.mode] > self._margin:",
         "        if False:",
         ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "default-lru-configuration-partial-first",
+        "the default's LRU configuration gives partial last blocks up first, as ARC proper does (a growing "
+        "conversation's next turn continues that block)",
+        "minivllm/cache/eviction.py",
+        "        if self.by_recency:  # least recently released first, partial or not, in either segment\n"
+        "            return (True, entry.released)",
+        "        if self.by_recency:  # least recently released first, partial or not, in either segment\n"
+        "            return (not entry.partial, entry.released)",
+        ("tests/test_adaptive_eviction.py", "tests/test_policy_robustness.py", "-k", "recency or lru_holds"),
     ),
     Mutation(
         "default-switches-at-a-small-lead",
