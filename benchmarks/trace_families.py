@@ -18,11 +18,14 @@ traces.
 - mooncake: a random contiguous window (a quarter to a half) of one of the two Mooncake traces.
 
     python -m benchmarks.trace_families forest 7 OUT.jsonl   # write one drawn trace
+    python -m benchmarks.trace_families forest 101 OUT.jsonl --params '{"live": 50, "n_systems": 6}'
+                                                  # the generator's defaults but for the given parameters
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -261,8 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("family", choices=FAMILIES)
     p.add_argument("seed", type=int)
     p.add_argument("out", type=Path)
+    p.add_argument("--params", type=json.loads, help="JSON object: these parameters instead of drawn ones")
     args = p.parse_args(argv)
-    drawn = draw(args.family, args.seed)
+    drawn = (
+        draw(args.family, args.seed) if args.params is None else Drawn(args.family, args.seed, args.params)
+    )
     write_trace(drawn.requests(), args.out)
     print(drawn.name)
 
