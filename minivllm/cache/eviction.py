@@ -28,6 +28,7 @@ start of a prompt. S3FIFO, LRU and FIFO ignore parents and releases.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -356,6 +357,7 @@ class Segmented(EvictionPolicy):
         history: float = 4.0,
         recent_share: float | None = None,
         by_count: bool = True,
+        by_recency: bool = False,
     ):
         _check_capacity(capacity)
         if not history > 0:
@@ -365,6 +367,7 @@ class Segmented(EvictionPolicy):
         self.history_cap = max(1, round(history * capacity))
         self.recent_share = recent_share  # None: the target is ARC's p, adapted on ghost hits
         self.by_count = by_count
+        self.by_recency = by_recency  # True: one recency order over both segments (prefix-aware LRU)
         self.arc_target = 0.0  # ARC's p, adapted on ghost hits whatever the mode
         self.age = 0.0  # LFU-DA's L: the priority of the latest frequent victim
         self._entries: dict[Hashable, _Entry] = {}
@@ -387,18 +390,18 @@ class Segmented(EvictionPolicy):
         """RECENT gives the victim while it holds more keys than this."""
         return self.arc_target if self.recent_share is None else self.recent_share * self.capacity
 
-    def set_mode(self, recent_share: float | None, by_count: bool) -> None:
-        """Switch configuration, keeping every key: FREQUENT's candidates are reordered."""
+    def set_mode(self, recent_share: float | None, by_count: bool, by_recency: bool = False) -> None:
+        """Switch configuration, keeping every key: the candidates of both segments are reordered."""
         _check_share(recent_share)
-        self.recent_share, self.by_count = recent_share, by_count
-        heap = self._heaps[FREQUENT]
-        live = [item for item in heap if self._is_live(item)]
-        for i, (_, version, key) in enumerate(live):
-            entry = self._entries[key]
-            entry.priority = self._priority(entry)
-            live[i] = (entry.priority, version, key)
-        heapq.heapify(live)
-        heap[:] = live
+        self.recent_share, self.by_count, self.by_recency = recent_share, by_count, by_recency
+        for heap in self._heaps:
+            live = [item for item in heap if self._is_live(item)]
+            for i, (_, version, key) in enumerate(live):
+                entry = self._entries[key]
+                entry.priority = self._priority(entry)
+                live[i] = (entry.priority, version, key)
+            heapq.heapify(live)
+            heap[:] = live
 
     # --- read-only views (tests, metrics) ---
     def __contains__(self, key: Hashable) -> bool:
@@ -469,6 +472,8 @@ class Segmented(EvictionPolicy):
         self._list(key, entry)
 
     def _priority(self, entry: _Entry) -> tuple:
+        if self.by_recency:  # least recently released first, partial or not, in either segment
+            return (True, entry.released)
         if entry.segment == RECENT:  # partial blocks first, then least recently released
             return (not entry.partial, entry.released)
         return (entry.value if self.by_count else 0.0, entry.released)
@@ -537,9 +542,7 @@ class Segmented(EvictionPolicy):
 
     # --- engine hooks ---
     def evict(self, can_evict: Callable[[Any], bool]) -> Any:
-        head = self._head(self._heaps[RECENT])
-        partial_first = head is not None and not head[0][0]
-        first = RECENT if partial_first or self._sizes[RECENT] > self.target_recent else FREQUENT
+        first = self._first_segment()
         for segment in (first, 1 - first):
             key = self._pop(self._heaps[segment], can_evict)
             if key is not None:
@@ -550,6 +553,14 @@ class Segmented(EvictionPolicy):
             if not entry.pinned and can_evict(key):
                 return self._drop(key, ghost=True)
         return None
+
+    def _first_segment(self) -> int:
+        """The segment asked for a victim first."""
+        recent, frequent = self._head(self._heaps[RECENT]), self._head(self._heaps[FREQUENT])
+        if self.by_recency:  # the older of the two heads: one recency order, as LRU over tails
+            return FREQUENT if recent is None or frequent is not None and frequent[0] < recent[0] else RECENT
+        partial_first = recent is not None and not recent[0][0]
+        return RECENT if partial_first or self._sizes[RECENT] > self.target_recent else FREQUENT
 
     def _head(self, heap: list) -> tuple | None:
         """The heap's live minimum, dropping stale entries on top."""
@@ -597,33 +608,53 @@ class Segmented(EvictionPolicy):
         return key
 
 
-# The default's two configurations (recent_share, by_count): ARC proper, where recency decides, and
-# frequency with new keys evicted first, where counts decide (shared system prompts).
-CONFIGURATIONS = ((None, False), (0.0, True))
+# The default's configurations (recent_share, by_count, by_recency): ARC proper, where recency decides
+# within segments; frequency with new keys evicted first, where counts decide (shared system prompts);
+# and one recency order over every key, a prefix-aware LRU, where recency decides across segments
+# (growing conversations: a partial last block is continued by the next turn, and the keys a live
+# conversation shares with its past turns are as hot as its newest ones).
+CONFIGURATIONS = ((None, False, False), (0.0, True, False), (None, False, True))
 
 
 class Adaptive(EvictionPolicy):
-    """The engine's default: two configurations of ``Segmented`` simulated side by side, the cache
-    following the one that hits more.
+    """The engine's default: the configurations of ``Segmented`` simulated side by side, the cache
+    following the one that hits most.
 
-    ARC proper (recency within each segment, ARC's adapted split) is close to LRU where recency rules
-    (conversations that end, forks of recent turns); frequency with new keys evicted first is close to
-    S3FIFO where counts predict reuse (agent sessions on shared prompts). Neither is within 3% of the
-    better of LRU and S3FIFO everywhere, so the policy keeps a shadow of each (keys only, no pages:
-    the same accesses and releases, their own evictions), counts the hits of each over the last
+    ARC proper (recency within each segment, ARC's adapted split, partial last blocks first) leads on
+    the Mooncake traces; frequency with new keys evicted first is close to S3FIFO where counts predict
+    reuse (agent sessions on shared prompts); a prefix-aware LRU is LRU where recency rules (conversation
+    forests whose turns continue the previous request, partial last block included). None is within 3%
+    of the better of LRU and S3FIFO everywhere, so the policy keeps a shadow of each (keys only, no
+    pages: the same accesses and releases, their own evictions), counts the hits of each over the last
     ``WINDOW`` times the capacity accesses (exponentially decayed), and switches its own cache to the
-    configuration of the leader once the leader is ahead by ``MARGIN`` of that window (a switch
-    reorders the cached keys, it evicts nothing). This is the miniature-simulation idea (Waldspurger
-    et al., USENIX ATC 2017) at full size. The cache is one ``Segmented``: every guarantee of that
-    class (prefix-aware, tails first, in-use keys never evicted, evicting only when full) holds.
+    configuration of the leader once the leader is ahead of the configuration in use by ``MARGIN`` of
+    that window and by ``Z`` times the lead's noise (a switch reorders the cached keys, it evicts
+    nothing). This is the miniature-simulation idea (Waldspurger et al., USENIX ATC 2017) at full size.
+    The cache is one ``Segmented``: every guarantee of that class (prefix-aware, tails first, in-use keys
+    never evicted, evicting only when full) holds.
+
+    The noise: a shadow's hits come a request at a time, and one long prompt that one shadow happens to
+    hold and another does not moves the lead by a hundred blocks, more than the margin. Such a lead says
+    which keys the shadow holds, not that its configuration is better, and following it costs: the cache
+    holds other keys than the leader, and a cache shaped by one configuration serves another poorly for a
+    while. So the policy also keeps, per pair of shadows, the decayed sum of the squared difference of
+    their hits per request (a request starts at an access without a parent): the variance of the lead were
+    the two configurations equal. A switch needs the lead above ``Z`` standard deviations of it. A
+    configuration that is better gains on most requests (growing conversations: the partial block, on
+    every turn), its lead grows with the requests and its noise with their square root; on the Mooncake
+    traces at 1k blocks, where every policy hits under a fifth of the tokens, leads of the margin's size
+    come and go with single prompts.
     """
 
     WINDOW = 4.0
-    # A switch reorders the cached keys, and a cache shaped by one configuration serves the other poorly
-    # for a while: at 0.002 two switches on a synthetic window left the cache at 0.91x LRU where either
-    # configuration alone beat it; 0.01-0.015 keep every case of replay_robustness and of other windows
-    # and seeds above 0.97x, and 0.02 falls below the synthetic trace's 1k-block floor.
-    MARGIN = 0.01
+    # The least lead, as a share of the window. With MARGIN alone (0.01), 17 switches between the
+    # frequency and LRU configurations on the synthetic trace's last third at 1k blocks left the cache at
+    # 0.947x LRU, where each configuration alone reached 0.99-1.04x; raising MARGIN to 0.015 did not help.
+    MARGIN = 0.015
+    # The lead must also pass Z standard deviations of its noise: 3 switches there (1.057x), and on the
+    # growing-conversation forests the one switch to the LRU configuration still comes early enough
+    # (0.986-0.997x the infinite cache where LRU holds the working set).
+    Z = 2.0
 
     prefix_aware = True
 
@@ -633,7 +664,10 @@ class Adaptive(EvictionPolicy):
         self.shadows = [Segmented(capacity, history, *config) for config in CONFIGURATIONS]
         self.cache = Segmented(capacity, history, *CONFIGURATIONS[0])
         self.mode = 0  # index in CONFIGURATIONS of the configuration the cache runs
-        self.lead = 0.0  # decayed hits of shadow 0 minus those of shadow 1
+        self.scores = [0.0] * len(CONFIGURATIONS)  # each shadow's decayed hits
+        self._request = [0] * len(CONFIGURATIONS)  # each shadow's hits in the current request
+        # per pair of shadows (i < j): the decayed sum over requests of (hits of i - hits of j) ** 2
+        self._noise = {pair: 0.0 for pair in itertools.combinations(range(len(CONFIGURATIONS)), 2)}
         self._decay = 1.0 - 1.0 / (self.WINDOW * capacity)
         self._margin = self.MARGIN * self.WINDOW * capacity
 
@@ -647,13 +681,25 @@ class Adaptive(EvictionPolicy):
         return iter(self.cache)
 
     def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
-        first, second = self.shadows
-        self.lead = self.lead * self._decay + (key in first) - (key in second)
-        first.access(key, parent, partial)
-        second.access(key, parent, partial)
-        if self.mode == 0 and self.lead < -self._margin or self.mode == 1 and self.lead > self._margin:
-            self.mode = 1 - self.mode
-            self.cache.set_mode(*CONFIGURATIONS[self.mode])
+        if parent is None:  # a request starts: the previous one's differences join the noise
+            for i, j in self._noise:
+                self._noise[i, j] += (self._request[i] - self._request[j]) ** 2
+            self._request = [0] * len(self.shadows)
+        for i, shadow in enumerate(self.shadows):
+            hit = key in shadow
+            self.scores[i] = self.scores[i] * self._decay + hit
+            self._request[i] += hit
+            shadow.access(key, parent, partial)
+        for pair in self._noise:  # a variance: decayed by the square of the scores' decay
+            self._noise[pair] *= self._decay * self._decay
+        leader = max(range(len(self.scores)), key=self.scores.__getitem__)
+        lead = self.scores[leader] - self.scores[self.mode]
+        if (
+            lead > self._margin
+            and lead > self.Z * self._noise[min(leader, self.mode), max(leader, self.mode)] ** 0.5
+        ):
+            self.mode = leader
+            self.cache.set_mode(*CONFIGURATIONS[leader])
         return self.cache.access(key, parent, partial)
 
     def release(self, key: Hashable) -> None:
