@@ -26,6 +26,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 KEY_ENV = "MINIVLLM_LAUNCH_KEY"  # the key a launched client sends (the server's MINIVLLM_API_KEY, or any)
 START_TIMEOUT_S = 900.0  # the first start fetches and converts the default model
 COMPACT_AT = 0.8  # of the context: where the client should compact its history
+REQUEST_TIMEOUT_MS = 3_600_000  # how long a client waits for one answer (a long cold prompt on a CPU)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ def _claude(served: ServedModel, args: list[str], scratch: Path) -> Invocation:
         "ANTHROPIC_DEFAULT_SONNET_MODEL": served.model,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": served.model,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry or update checks to other hosts
+        # the served model's window: Claude Code assumes 1M tokens for a model it does not know (its own
+        # compaction setting takes no window under 100k tokens, so that one is left as it is)
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(served.context),
+        # its 600 s request timeout is shorter than a cold ~12k-token first prompt's prefill on a slow CPU
+        "API_TIMEOUT_MS": str(REQUEST_TIMEOUT_MS),
     }
     return Invocation(["claude", *args], env)
 
