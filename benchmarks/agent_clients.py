@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results.require_clean_tree(args.allow_dirty)
     model = models.resolve_model(args.model)
+    clients = {c: EXECUTABLES[c][-1].split("/")[-3] for c in EXECUTABLES}
+    meta = results.metadata(model, page_size=16, clients=clients)  # the commit the run starts from
     spec = ServerSpec("minivllm", model, label="agent-clients", startup_timeout_s=1800)
     rows: list[Turn] = []
     transcripts = results.RESULTS_DIR / "agent_clients"
@@ -138,9 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     with running_server(spec) as server, tempfile.TemporaryDirectory(prefix="agent-clients-") as scratch:
         for client in args.clients.split(","):
             rows += session(server.base_url, client, args.turns, Path(scratch), transcripts)
-    meta = results.metadata(
-        model, page_size=16, clients={c: EXECUTABLES[c][-1].split("/")[-3] for c in EXECUTABLES}
-    )
     notes = (
         "restored_pct: of the turn's last request's prompt; ttft_s: the turn's first request, arrival to first "
         "output (the server's measure); transcripts: benchmarks/results/agent_clients/."
