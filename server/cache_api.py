@@ -15,7 +15,7 @@ from minivllm.cache.hints import TTL_DEFAULT_S, TTL_MAX_S, CacheHints
 from minivllm.engine.sampling_params import SamplingParams
 from server import chat
 from server import protocol as p
-from server.core import ServerState, cache_salt, protocol_names, state_for, until_disconnect
+from server.core import ServerState, cache_salt, key_domain, protocol_names, state_for, until_disconnect
 from server.errors import APIError
 from server.generation import Generation
 
@@ -90,6 +90,8 @@ async def pin(body: PinRequest, request: Request) -> PinResponse:
 @router.get("/v1/cache/explain")
 async def explain(request: Request) -> dict:
     """The last requests' prefix-cache reports of each served model, oldest first (as their
-    x-minivllm-prefix-cache headers)."""
+    x-minivllm-prefix-cache headers): those of the caller's API key only, as the cache itself is per key."""
     states: dict[str, ServerState] = request.app.state.models
-    return {"object": "list", "data": [r.as_dict() for st in states.values() for r in st.explained]}
+    domain = key_domain(request)
+    reports = [r for st in states.values() for r in st.explained if r.domain == domain]
+    return {"object": "list", "data": [r.as_dict() for r in reports]}

@@ -440,6 +440,8 @@ def _explainer(
 
     async def explain() -> str:
         found = await reports(gen, request.url.path, locate)
+        for report in found:
+            report.domain = key_domain(request)
         log(found)
         state.explained.extend(found)
         return header_value(found)
@@ -481,11 +483,16 @@ async def _start_with_pings(gen: Generation, every_s: float, ping: Callable[[], 
         start.cancel()
 
 
+def key_domain(request: Request) -> str | None:
+    """The cache domain of the request's API key (several keys configured), or None."""
+    return request.scope.get("state", {}).get("key_domain")
+
+
 def cache_salt(request: Request, salt: str | None) -> str | None:
     """The request's prefix-cache domain: its API key's (with several keys configured, each key its own),
     refined by the request's own cache_salt. A prompt cached in one domain is never restored in another,
     so hits cannot reveal what another domain's prompts hold."""
-    key = request.scope.get("state", {}).get("key_domain")
+    key = key_domain(request)
     if not key:
         return salt
     return key if salt is None else f"{key}\x00{salt}"

@@ -12,7 +12,7 @@ volatile header or reordered tool list that broke the cache.
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from server.generation import Generation
 
@@ -35,6 +35,7 @@ class PrefixReport:
     miss_token: int | None = None  # the first token of the first page not restored
     miss_message: int | None = None  # the message holding it (chat-shaped requests)
     ttft_s: float | None = None  # from the request's arrival to its first output (every choice's)
+    domain: str | None = field(default=None, repr=False)  # the API key's cache domain: who may read it
 
     def header(self) -> str:
         parts = [f"restored={self.restored_tokens}", f"prompt={self.prompt_tokens}"]
@@ -45,7 +46,9 @@ class PrefixReport:
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["domain"]
+        return out
 
 
 async def reports(gen: Generation, endpoint: str, locate: MessageLocator | None) -> list[PrefixReport]:

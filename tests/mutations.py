@@ -1044,6 +1044,14 @@ MUTATIONS = [
         'b.thinking for b in blocks if b.type == "thinking"',
         ("tests/test_thinking.py", "-k", "signed"),
     ),
+    Mutation(
+        "explain-across-keys",
+        "GET /v1/cache/explain shows every API key's requests to any key",
+        "server/cache_api.py",
+        "for r in st.explained if r.domain == domain]",
+        "for r in st.explained]",
+        ("tests/test_cache_isolation.py", "-k", "own_key"),
+    ),
 ]
 
 

@@ -85,3 +85,20 @@ def test_single_flight_never_makes_a_follower_of_another_domain(tiny_model_dir):
     assert [o.num_cached_tokens for o in outs] == [0, 0, restorable]  # only x's second restores x's pages
     flights = llm.engine.stats()
     assert flights.flights_opened == 2 and flights.followers_coalesced == 1
+
+
+def test_why_a_prompt_missed_is_told_only_to_its_own_key(keyed):
+    """GET /v1/cache/explain: a key sees its own requests' reports, never another key's."""
+    alice, bob = keyed.client(api_key="alice-key"), keyed.client(api_key="bob-key")
+    r = alice.completions.with_raw_response.create(model=MODEL, prompt=SECRET + "(explain)", max_tokens=1)
+    alice_id = r.parse().id
+    bob.completions.create(model=MODEL, prompt="bob's own prompt", max_tokens=1)
+
+    def seen(key: str) -> set[str]:
+        reply = httpx.get(keyed.url + "/v1/cache/explain", headers={"Authorization": f"Bearer {key}"})
+        assert reply.status_code == 200, reply.text
+        return {report["request_id"].rsplit("-", 1)[0] for report in reply.json()["data"]}
+
+    assert alice_id in seen("alice-key") and alice_id not in seen("bob-key")
+    assert seen("bob-key") and not seen("bob-key") & seen("alice-key")
+    keyed.wait_idle()
