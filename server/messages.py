@@ -97,6 +97,7 @@ def parse(body: a.CountTokensRequest, headers: Mapping[str, str] = {}) -> Conver
     fmt = body.output_config and body.output_config.format
     max_tokens = getattr(body, "max_tokens", None)
     thinking, thinking_fields = _thinking(body)
+    marks = breakpoints(body, turns)  # checked on count_tokens too: what /v1/messages refuses, it refuses
     return Conversation(
         turns=turns,
         tools=tuple(_tool(t) for t in tools.values() if not t.defer_loading or t.name in loaded),
@@ -112,7 +113,7 @@ def parse(body: a.CountTokensRequest, headers: Mapping[str, str] = {}) -> Conver
             top_k=getattr(body, "top_k", 0),
         ),
         stream=getattr(body, "stream", False),
-        pins=breakpoints(body, turns) if max_tokens is not None else (),
+        pins=marks if max_tokens is not None else (),
         names={
             "prompt": "messages",
             "max_tokens": "max_tokens",

@@ -16,11 +16,20 @@ from server.core import ServerState
 
 router = APIRouter()
 PAGE = resources.files("server") / "static" / "index.html"
+# the page is one file that loads nothing from elsewhere and is never framed (no clickjacking of its key box)
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+        "img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 @router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # clients probe the root with HEAD
 async def page() -> HTMLResponse:
-    return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+    return HTMLResponse(PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
 
 
 @router.get("/v1/cache/stats")

@@ -1052,6 +1052,22 @@ MUTATIONS = [
         "for r in st.explained]",
         ("tests/test_cache_isolation.py", "-k", "own_key"),
     ),
+    Mutation(
+        "count-tokens-breakpoints-unchecked",
+        "count_tokens accepts cache_control breakpoints that /v1/messages refuses",
+        "server/messages.py",
+        "        pins=marks if max_tokens is not None else (),",
+        "        pins=breakpoints(body, turns) if max_tokens is not None else (),",
+        ("tests/test_field_policy.py", "-k", "breakpoints"),
+    ),
+    Mutation(
+        "page-framable",
+        "the web page may be framed by another site",
+        "server/web.py",
+        '"X-Frame-Options": "DENY",',
+        '"X-Frame-Options": "SAMEORIGIN",',
+        ("tests/test_field_policy.py", "-k", "framed"),
+    ),
 ]
 
 

@@ -226,3 +226,18 @@ def test_a_namespaced_function_is_called_by_namespace_and_name(server):
 def test_the_root_answers_a_probe(server):
     """Clients check that a base URL is alive with HEAD / (llama.cpp's and Ollama's servers answer it)."""
     assert httpx.head(server.url + "/").status_code == 200
+
+
+def test_count_tokens_refuses_the_breakpoints_messages_refuses(server):
+    block = {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}
+    messages = [{"role": "user", "content": [block] * 5}]
+    for path, extra in (("/v1/messages", {"max_tokens": 1}), ("/v1/messages/count_tokens", {})):
+        r = _post(server, path, {"messages": messages, **extra})
+        assert r.status_code == 400 and "cache_control" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_the_page_loads_nothing_from_elsewhere_and_is_never_framed(server):
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and r.headers["x-frame-options"] == "DENY"
+    policy = r.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
