@@ -1056,8 +1056,8 @@ MUTATIONS = [
         "count-tokens-breakpoints-unchecked",
         "count_tokens accepts cache_control breakpoints that /v1/messages refuses",
         "server/messages.py",
-        "        pins=marks if max_tokens is not None else (),",
-        "        pins=breakpoints(body, turns) if max_tokens is not None else (),",
+        "    marks = breakpoints(body, turns)  #",
+        "    marks = breakpoints(body, turns) if max_tokens is not None else ()  #",
         ("tests/test_field_policy.py", "-k", "breakpoints"),
     ),
     Mutation(
