@@ -26,11 +26,11 @@ TTLS = {"5m": TTL_DEFAULT_S, "1h": TTL_MAX_S}
 class PinRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str | None = None  # if given, the served model's id (else 404, as on the generation endpoints)
-    prompt: str | None = None  # a raw prompt, tokenized as /v1/completions does
+    model: p.Text | None = None  # if given, the served model's id (else 404, as on the generation endpoints)
+    prompt: p.Text | None = None  # a raw prompt, tokenized as /v1/completions does (valid Unicode)
     messages: list[p.ChatMessage] | None = None  # a conversation, templated as /v1/chat/completions does
     ttl: Literal["5m", "1h"] | int = "5m"  # Anthropic's TTLs, or seconds
-    cache_salt: str | None = Field(None, min_length=1)  # the cache domain, as on the generation endpoints
+    cache_salt: p.Text | None = Field(None, min_length=1)  # the cache domain, as on the generation endpoints
 
     @model_validator(mode="after")
     def _one_prompt(self):

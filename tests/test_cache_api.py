@@ -281,3 +281,15 @@ def test_text_offsets_agree_with_decoding_every_prefix(server):
             assert offsets.char_of(p) == exact
             before = offsets.tokens_before(exact)
             assert len(tok.decode(ids[:before])) <= exact and before >= p
+
+
+def test_a_pin_of_text_that_is_not_unicode_is_a_400(server):
+    """JSON can carry a lone surrogate, which no tokenizer takes: refused by name, never a 500."""
+    for field, body in (
+        ("prompt", '{"prompt": "a\\ud800b"}'),
+        ("cache_salt", '{"prompt": "a", "cache_salt": "\\ud800"}'),
+    ):
+        r = httpx.post(
+            server.url + "/v1/cache/pin", content=body, headers={**AUTH, "content-type": "application/json"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
