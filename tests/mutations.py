@@ -1068,6 +1068,14 @@ MUTATIONS = [
         '"X-Frame-Options": "SAMEORIGIN",',
         ("tests/test_field_policy.py", "-k", "framed"),
     ),
+    Mutation(
+        "grammar-cache-across-domains",
+        "a grammar compiled for one cache domain (API key) is reused for another, so its timing leaks",
+        "minivllm/engine/grammar.py",
+        "        return self._compiled((domain, text)).deep_copy()",
+        "        return self._compiled((None, text)).deep_copy()",
+        ("tests/test_hardening.py", "-k", "cache_domain"),
+    ),
 ]
 
 

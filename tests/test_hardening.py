@@ -507,7 +507,7 @@ def test_the_grammar_cache_is_bounded_by_bytes_and_huge_grammars_are_refused(tin
         compiler.matcher(spec)
         assert compiler.cached_bytes <= 20_000
     assert 1 < len(compiler._cache) < len(specs)
-    assert compiler.cached_bytes == sum(len(t) for t in compiler._cache)
+    assert compiler.cached_bytes == sum(len(text) for _, text in compiler._cache)
     huge = StructuredOutput(json_schema={"enum": [f"value-{j}" for j in range(2_000)]})
     with pytest.raises(RequestError, match="grammar is") as refused:
         compiler.matcher(huge)
@@ -636,3 +636,20 @@ def test_importing_the_server_keeps_the_processes_open_file_limit():
     repo = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == "True", out.stdout
+
+
+def test_a_compiled_grammar_is_shared_only_within_its_cache_domain(tiny_model_dir, monkeypatch):
+    """Timing a schema's compile must not tell one API key which schemas another uses: each domain compiles
+    its own (and reuses it)."""
+    from minivllm.engine.grammar import GrammarCompiler
+    from minivllm.engine.sampling_params import StructuredOutput
+
+    tokenizer = load_tokenizer(Path(tiny_model_dir))
+    compiler = GrammarCompiler(tokenizer.hf, 512, tokenizer.eos_token_ids)
+    compiles = []
+    compile_ = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda text: compiles.append(text) or compile_(text))
+    spec = StructuredOutput(json_schema={"enum": ["PIN-4719", "PIN-0000"]})
+    for domain in ("alice", "alice", "bob", None, "bob"):
+        compiler.matcher(spec, domain)
+    assert len(compiles) == 3  # alice's, bob's and the default domain's: each compiled once

@@ -109,7 +109,10 @@ class AsyncEngine:
         try:
             matcher = None
             if params.structured_output is not None:  # compiled in a worker, never on the stepping thread
-                matcher = await asyncio.to_thread(self.engine.grammars.matcher, params.structured_output)
+                domain = cache.salt if cache else None
+                matcher = await asyncio.to_thread(
+                    self.engine.grammars.matcher, params.structured_output, domain
+                )
             self._inbox.put(_Add(request_id, prompt, params, matcher, cache, accepted))
             await accepted  # re-raises the engine's validation error
             while True:

@@ -61,7 +61,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.cache_bytes = cache_bytes
         self.max_grammar_bytes = max_grammar_bytes
-        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar text -> compiled, LRU order
+        # (cache domain, grammar text) -> compiled, LRU order: a domain never gets another's compiled grammar,
+        # whose missing compile time would tell it which schemas that tenant uses
+        self._cache: OrderedDict[tuple[str | None, str], LLMatcher] = OrderedDict()
         self.cached_bytes = 0
 
     @property
@@ -75,9 +77,10 @@ class GrammarCompiler:
                 logger.info("grammar tokenizer built in %.2f s", time.perf_counter() - start)
             return self._tokenizer
 
-    def matcher(self, spec: StructuredOutput) -> LLMatcher:
-        """A fresh matcher at the start of spec's grammar. Raises RequestError (param structured_output)
-        for a grammar that cannot be built, or followed even to its first token."""
+    def matcher(self, spec: StructuredOutput, domain: str | None = None) -> LLMatcher:
+        """A fresh matcher at the start of spec's grammar, compiled once per cache domain (the request's API
+        key and cache_salt). Raises RequestError (param structured_output) for a grammar that cannot be
+        built, or followed even to its first token."""
         try:
             text = grammar_text(spec)
         except (ValueError, TypeError, RuntimeError) as e:
@@ -88,21 +91,21 @@ class GrammarCompiler:
                 "(a schema that large, e.g. an enum of tens of thousands of values, costs ~50x in memory)",
                 param="structured_output",
             )
-        return self._compiled(text).deep_copy()
+        return self._compiled((domain, text)).deep_copy()
 
-    def _compiled(self, text: str) -> LLMatcher:
+    def _compiled(self, key: tuple[str | None, str]) -> LLMatcher:
         with self._lock:
-            matcher = self._cache.get(text)
+            matcher = self._cache.get(key)
             if matcher is not None:
-                self._cache.move_to_end(text)
+                self._cache.move_to_end(key)
                 return matcher
-        matcher = self._compile(text)  # outside the lock: compiles of different grammars go side by side
+        matcher = self._compile(key[1])  # outside the lock: compiles of different grammars go side by side
         with self._lock:
-            if text not in self._cache:
-                self._cache[text] = matcher
-                self.cached_bytes += len(text)
+            if key not in self._cache:
+                self._cache[key] = matcher
+                self.cached_bytes += len(key[1])
             while self.cached_bytes > self.cache_bytes and len(self._cache) > 1:
-                old, _ = self._cache.popitem(last=False)
+                (_, old), _ = self._cache.popitem(last=False)
                 self.cached_bytes -= len(old)
         return matcher
 

@@ -179,7 +179,7 @@ class LLMEngine:
         if self.scheduler.num_queued() >= self.config.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
         if params.structured_output is not None and matcher is None:
-            matcher = self.grammars.matcher(params.structured_output)
+            matcher = self.grammars.matcher(params.structured_output, cache.salt if cache else None)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = new_sequence(request_id, token_ids, params, cache, seed=seed, matcher=matcher)
         if self.hash_stream is not None:
