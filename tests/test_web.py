@@ -30,7 +30,7 @@ def server(tiny_model_dir):
 def page(server):
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1200, "height": 760})
+        page = browser.new_page(viewport={"width": 1200, "height": 760}, bypass_csp=True)  # the test evaluates scripts
         errors: list[str] = []
         page.on("console", lambda m: m.type == "error" and errors.append(m.text))
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -136,7 +136,7 @@ def test_the_page_asks_once_for_the_api_key_and_keeps_it(tiny_model_dir):
     with ServerThread(tiny_settings(tiny_model_dir, api_key="sesame")) as guarded:
         with playwright.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-            page = browser.new_page()
+            page = browser.new_page(bypass_csp=True)  # the test evaluates scripts (the page needs none)
             asked: list[str] = []
             page.on("dialog", lambda d: (asked.append(d.message), d.accept("sesame")))
             page.goto(guarded.url + "/")
