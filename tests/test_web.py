@@ -30,7 +30,9 @@ def server(tiny_model_dir):
 def page(server):
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1200, "height": 760}, bypass_csp=True)  # the test evaluates scripts
+        page = browser.new_page(
+            viewport={"width": 1200, "height": 760}, bypass_csp=True
+        )  # the test evaluates scripts
         errors: list[str] = []
         page.on("console", lambda m: m.type == "error" and errors.append(m.text))
         page.on("pageerror", lambda e: errors.append(str(e)))
