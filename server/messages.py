@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from minivllm.cache.hints import TTL_DEFAULT_S, TTL_MAX_S
 from server import anthropic_protocol as a
 from server.conversation import (
+    EFFORT_BUDGETS,
     ChoiceMode,
     Conversation,
     OutputFormat,
@@ -39,8 +40,6 @@ from server.generation import Usage
 router = APIRouter()
 MAX_BREAKPOINTS = 4  # blocks with cache_control in one request, as at Anthropic
 CHOICES = {"any": ChoiceMode.REQUIRED, "auto": ChoiceMode.AUTO, "none": ChoiceMode.NONE}
-# Anthropic's output_config.effort on a model that thinks, as thinking tokens (higher: no bound)
-EFFORT_BUDGETS = {"low": 1024, "medium": 4096}
 HINT_HEADERS = (
     "anthropic-beta",
 )  # request headers that ask for what the server does by itself or not at all
@@ -84,7 +83,7 @@ def parse(body: a.CountTokensRequest, headers: Mapping[str, str] = {}) -> Conver
         for r in b.blocks()
         if r.type == "tool_reference"
     }
-    tools = {t.name: t for t in body.tools or ()}
+    tools = {t.name: t for t in body.tools or ()}  # by name, for tool_reference blocks
     turns = _turns(body, tools, _thinking_kept(body))
     choice = body.tool_choice or a.ToolChoice(type="auto")
     mode = ChoiceMode.NAMED if choice.type == "tool" else CHOICES[choice.type]
@@ -100,7 +99,7 @@ def parse(body: a.CountTokensRequest, headers: Mapping[str, str] = {}) -> Conver
     marks = breakpoints(body, turns)  # checked on count_tokens too: what /v1/messages refuses, it refuses
     return Conversation(
         turns=turns,
-        tools=tuple(_tool(t) for t in tools.values() if not t.defer_loading or t.name in loaded),
+        tools=tuple(_tool(t) for t in body.tools or () if not t.defer_loading or t.name in loaded),
         tool_choice=ToolChoice(mode, choice.name),
         parallel_tool_calls=not choice.disable_parallel_tool_use,
         output=OutputFormat(fmt.schema_) if fmt else None,

@@ -383,6 +383,7 @@ def _block(kind: str) -> dict:
         ({"frequency_penalty": 1}, "frequency_penalty: Extra inputs are not permitted"),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "bash_20250124"),
         ({"tools": [{**GET_WEATHER, "strict": True}]}, "strict"),
+        ({"tools": [GET_WEATHER, GET_WEATHER]}, "unique"),
         ({"tools": [GET_WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice"),
         ({"tools": [GET_WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
         ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
