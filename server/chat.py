@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from minivllm.outputs import TokenLogprob
 from server import protocol as p
 from server.conversation import (
+    EFFORT_BUDGETS,
     ChoiceMode,
     Conversation,
     OutputFormat,
@@ -36,8 +37,6 @@ FINISH = {
     StopReason.CONTEXT: "length",
 }
 EFFORT_OFF = "none"
-# thinking tokens by reasoning effort (OpenAI's, and Anthropic's output_config.effort); higher: no bound
-EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096}
 
 
 @router.post("/v1/chat/completions")

@@ -113,6 +113,11 @@ class ThinkingMode(str, Enum):
     ADAPTIVE = "adaptive"  # the model decides: a model that thinks thinks, one that does not answers
 
 
+# thinking tokens by effort, OpenAI's (reasoning_effort, reasoning.effort) and Anthropic's
+# (output_config.effort) alike, on a model that thinks; a higher effort: no bound
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096}
+
+
 @dataclass(frozen=True)
 class Thinking:
     mode: ThinkingMode = ThinkingMode.ADAPTIVE

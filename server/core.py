@@ -112,7 +112,7 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
     tools = ToolCalling.of(conv, st.engine.tokenizer)
     structured = output_grammar(conv, tools)
     template_tools = tools and tools.template_tools()
-    thinks = model_thinks(st.engine.tokenizer)
+    thinks = st.prompts.thinks
     # a grammar holds the whole output, from its first token: no thinking before a forced call or JSON
     thinking = None if not thinks else conv.thinking.mode != ThinkingMode.OFF and structured is None
     with protocol_names(conv.names):
@@ -171,12 +171,6 @@ async def _pins(
         return ()
     ends = await st.prompts.message_ends(conv.turns, tools, prompt, [k for k, _ in conv.pins])
     return tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, conv.pins, strict=True) if tokens > 0)
-
-
-def model_thinks(tokenizer) -> bool:
-    """A model that writes its reasoning between think markers its template knows (Qwen3's <think>)."""
-    start = getattr(tokenizer.wrapper, "think_start", None)
-    return bool(start) and start in str(tokenizer.chat_template or "")
 
 
 def think_markers(tokenizer, prompt: list[int]) -> ThinkMarkers:

@@ -102,8 +102,11 @@ class PromptBuilder:
         # templates that know no "developer" role would drop such a message: it is the system role renamed
         self.developer_role = "developer" if "developer" in str(tokenizer.chat_template or "") else "system"
         self.system_anywhere = self._renders_system_anywhere()
+        # a model that writes its reasoning between think markers its template knows (Qwen3's <think>), and
         # a template that switches thinking on and off by a keyword (Qwen3's enable_thinking)
-        self.thinking_switch = "enable_thinking" in str(tokenizer.chat_template or "")
+        template, start = str(tokenizer.chat_template or ""), getattr(tokenizer.wrapper, "think_start", None)
+        self.thinks = bool(start) and start in template
+        self.thinking_switch = "enable_thinking" in template
         self.fim = fim_tokens(tokenizer)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-prompts")
         self.long = (

@@ -121,8 +121,6 @@ def _choice(body: ResponsesRequest) -> ToolChoice:
     choice = body.tool_choice
     if isinstance(choice, FunctionChoice):
         return ToolChoice(ChoiceMode.NAMED, choice.name)
-    if choice == "required" and not body.function_tools:
-        return ToolChoice(ChoiceMode.REQUIRED)  # refused by the tool checks: no function to call
     return ToolChoice(ChoiceMode(choice or "auto"))
 
 
