@@ -8,6 +8,10 @@ Without --model it builds a tiny random model whose context (262,144 positions, 
 131,072 tokens) lets the 1 MB prompt pass the length pre-check, so the server really tokenizes it (then
 refuses it: about 233,000 tokens). Prints a table; writes nothing.
 
+--huge: seconds to refuse a 3.9 MB prompt longer than the context on each route (completions, chat,
+messages, responses), for texts of several kinds (prose, and runs with no word boundary: digits, one
+letter, CJK, base64); the default model (its 32,768-token context) unless --model. Prints a table.
+
 --lanes: short chat requests' TTFT idle, beside one and beside four 3.9 MB chat prompts (each refused: longer
 than the context), on a server with MINIVLLM_PROMPT_LANES on and on one with it off, in one run; the default
 model unless --model. Writes benchmarks/results/prompt_lanes.{json,md}.
@@ -35,6 +39,13 @@ from benchmarks.harness.servers import ServerSpec, running_server
 BODY_8MB = json.dumps({"model": "m", "prompt": "x" * (8 << 20)}).encode()
 PROMPT_1MB = ("The quick brown fox jumps over the lazy dog. " * 30_000)[: 1 << 20]
 PROMPT_3_9MB = ("The quick brown fox jumps over the lazy dog.\n" * 90_000)[:3_900_000]
+HUGE_TEXTS = {  # 3.9 MB each; all but prose have no word boundary to cut between when counting
+    "prose": PROMPT_3_9MB,
+    "digits": ("0123456789" * 390_000),
+    "one letter": "x" * 3_900_000,
+    "CJK": ("\u4e00\u4e8c\u4e09\u56db" * 325_000),
+    "base64": ("QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo+/w==" * 97_500),
+}
 SHORT_CHAT = [{"role": "user", "content": "Write a haiku about caches."}]
 IDLE_SHORTS = 5  # short requests timed on an idle server, per run
 
@@ -176,6 +187,36 @@ def lanes_comparison(model: Path, runs: int) -> tuple[list[dict], dict]:
     return rows, raw
 
 
+def huge_bodies(model: str, text: str) -> dict[str, dict]:
+    """The same text as each route's prompt."""
+    user = [{"role": "user", "content": text}]
+    return {
+        "/v1/completions": {"model": model, "prompt": text, "max_tokens": 1},
+        "/v1/chat/completions": {"model": model, "messages": user, "max_tokens": 1},
+        "/v1/messages": {"model": model, "messages": user, "max_tokens": 1},
+        "/v1/responses": {"model": model, "input": text, "max_output_tokens": 16},
+    }
+
+
+def refuse_huge(url: str, model: str) -> list[dict]:
+    """Seconds from sending each huge prompt to its answer (a 400: longer than the context), per route."""
+    rows = []
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for kind, text in HUGE_TEXTS.items():
+            for path, body in huge_bodies(model, text).items():
+                start = time.perf_counter()
+                r = http.post(path, json=body)
+                rows.append(
+                    {
+                        "text": kind,
+                        "route": path,
+                        "seconds": f"{time.perf_counter() - start:.2f}",
+                        "HTTP": r.status_code,
+                    }
+                )
+    return rows
+
+
 def tiny_long_context_model(root: Path) -> Path:
     from tests.tiny_model import make_tiny_model
 
@@ -189,8 +230,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--lanes", action="store_true", help="short-request TTFT beside 3.9 MB prompts, lanes on/off"
     )
+    p.add_argument("--huge", action="store_true", help="seconds to refuse 3.9 MB prompts, per route")
     p.add_argument("--allow-dirty", action="store_true")
     args = p.parse_args(argv)
+    if args.huge:
+        model = models.resolve_model(args.model and str(args.model))
+        env = {"MINIVLLM_LOG_LEVEL": "warning"}
+        with running_server(ServerSpec("minivllm", model, env=env, label="huge")) as server:
+            rows = refuse_huge(server.base_url, server.model_id)
+        meta = metadata(model)
+        print(
+            f"# 3.9 MB prompts refused ({meta['date']}, commit {meta['git']['commit']}, dirty {meta['git']['dirty']})"
+        )
+        print(f"# machine: {meta['machine']}")
+        print(markdown_table(rows))
+        return
     if args.lanes:
         results.require_clean_tree(args.allow_dirty)
         model = models.resolve_model(args.model and str(args.model))

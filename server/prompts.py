@@ -25,6 +25,7 @@ import copy
 import inspect
 import os
 import re
+import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,9 +44,13 @@ NORMALIZED_PIECE = 1 << 16  # characters normalized per call
 COUNTED_PIECE = 1 << 15  # characters tokenized per piece while counting a long text's tokens
 TYPICAL_TOKEN_CHARS = 8  # a text over this many characters per token of room is counted in pieces first
 CUT_SLACK = 2  # tokens a cut between pieces may add (a prefix-space marker, a word split differently)
+# a run with no such cut for a whole piece (digits, CJK, base64) is cut inside a word: its last token and
+# the next piece's first may split what the whole text merges (2 seen on Qwen's BPE; 8 leaves room)
+HARD_CUT_SLACK = 8
 # cuts between pieces: after a newline before a non-space, or before a space between two letters; every
 # byte-level and SentencePiece pre-tokenizer ends a word there
 SAFE_CUT = re.compile(r"\n(?=\S)|(?<=[^\W\d_])(?= [^\W\d_])")
+JOINING_CATEGORIES = {"Mn", "Mc", "Me", "Cf", "Cs"}  # marks, joiners, halves of a pair: not a start
 CHANGED_ACROSS_A_CUT = 8  # characters a normalizer may add or save across a cut between pieces
 MARK = "\ue000{}\ue001"  # stands for marked string k in a rendering (private-use characters)
 MARK_RE = re.compile("\ue000([0-9]+)\ue001")
@@ -360,8 +365,8 @@ class PromptBuilder:
         """A lower bound on the tokens of text, counted piece by piece until it passes room (then the rest
         is not tokenized): each piece's tokens, less CUT_SLACK per cut."""
         count = 0
-        for k, piece in enumerate(_pieces(text, COUNTED_PIECE)):
-            count += len(self.tokenizer.encode(piece, add_special_tokens=False)) - (CUT_SLACK if k else 0)
+        for piece, slack in _pieces(text, COUNTED_PIECE):
+            count += len(self.tokenizer.encode(piece, add_special_tokens=False)) - slack
             if count > room:
                 break
         return count
@@ -445,14 +450,23 @@ def _fold_late_system_turns(turns: list[dict]) -> list[dict]:
     return out
 
 
-def _pieces(text: str, size: int) -> Iterator[str]:
-    """text in pieces of at least `size` characters (the last may be shorter), cut at SAFE_CUT."""
-    start = 0
+def _pieces(text: str, size: int) -> Iterator[tuple[str, int]]:
+    """text in pieces of `size` to `2 * size` characters (the last may be shorter), each with the tokens
+    its cut may add: at SAFE_CUT where one comes in time, else inside the run, before a character that
+    starts a grapheme (a run with no safe cut must not make the whole text one piece)."""
+    start, slack = 0, 0
     while start < len(text):
-        cut = SAFE_CUT.search(text, start + size)
-        end = cut.end() if cut else len(text)
-        yield text[start:end]
-        start = end
+        cut = SAFE_CUT.search(text, start + size, start + 2 * size)
+        if cut or start + 2 * size >= len(text):
+            end = cut.end() if cut else len(text)
+            yield text[start:end], slack
+            start, slack = end, CUT_SLACK
+            continue
+        end = start + size
+        while end < len(text) and unicodedata.category(text[end]) in JOINING_CATEGORIES:
+            end += 1
+        yield text[start:end], slack
+        start, slack = end, HARD_CUT_SLACK
 
 
 def _chars(*values) -> int:

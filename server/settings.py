@@ -5,7 +5,9 @@
 """
 
 import argparse
+import hashlib
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 
@@ -384,7 +386,7 @@ class Settings(_SettingsFields):
         budget = base.kv_cache_bytes or default_kv_cache_bytes(base.kv_cache_fraction)
         configs = []
         for model, name in zip(self.models, self.served_model_names):
-            disk = os.path.join(base.kv_disk_dir, name) if base.kv_disk_dir else None
+            disk = os.path.join(base.kv_disk_dir, disk_subdir(name)) if base.kv_disk_dir else None
             disk_bytes = base.kv_disk_bytes // n if base.kv_disk_bytes else None
             configs.append(
                 replace(
@@ -494,3 +496,13 @@ def _override(base: Settings, raws: Mapping[str, str], source: Callable[[Option]
         option = _BY_NAME[name]
         values[name] = _parse(option, raw, source(option))
     return Settings(**values).validated()
+
+
+def disk_subdir(name: str) -> str:
+    """A served model name as one directory name inside MINIVLLM_KV_DISK_DIR: itself when it is plain;
+    otherwise (a `/`, `..`, a leading dot, other characters) its plain characters and a digest of it, so
+    no name reaches outside the directory and different names stay apart."""
+    if re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}", name):
+        return name
+    plain = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".")[:80]
+    return f"{plain}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"

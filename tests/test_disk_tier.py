@@ -138,3 +138,41 @@ def test_files_the_tier_cannot_serve_are_deleted_at_start(tmp_path):
     assert sorted(p.name for p in pages.iterdir()) == [file_name(b"h" * 16)]
     assert tier.stats()["kv_disk_pages_rejected"] == 3
     tier.close()
+
+
+@pytest.mark.timeout(60)
+def test_entries_that_are_not_files_are_left_alone_and_the_pages_still_served(tmp_path):
+    """A named pipe or a directory with a page's name, a link to a page, a subdirectory: the tier starts
+    (a pipe, opened, would wait for a writer for ever), indexes the real pages and touches none of them."""
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    _page_file(pages)
+    os.mkfifo(pages / file_name(b"p" * 16))
+    (pages / file_name(b"d" * 16)).mkdir()
+    (pages / "sub").mkdir()
+    (pages / file_name(b"l" * 16)).symlink_to(pages / file_name(b"h" * 16))
+    (pages / "junk").write_bytes(b"junk")
+    tier = DiskTier(tmp_path, 1 << 20, IDENTITY)
+    assert tier.num_pages == 1 and tier.contains(b"h" * 16)
+    assert tier.stats()["kv_disk_pages_rejected"] == 1  # the junk file, deleted
+    assert {p.name for p in pages.iterdir()} == {file_name(h * 16) for h in (b"h", b"p", b"d", b"l")} | {
+        "sub"
+    }
+    tier.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["pipe", "directory", "link"])
+def test_a_page_replaced_by_something_else_is_refused_not_waited_on(tmp_path, kind):
+    (tmp_path / "elsewhere").mkdir()
+    target, _ = _page_file(tmp_path / "elsewhere")  # the same page, outside the tier's directory
+    path = tmp_path / target.name
+    if kind == "pipe":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(target)
+    out = np.empty(IDENTITY.page_bytes, dtype=np.uint8)
+    with pytest.raises((BadPageFile, OSError)):
+        read_page(path, IDENTITY, b"h" * 16, (1, 2, 3, 4), out)

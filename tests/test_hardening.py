@@ -180,6 +180,33 @@ def test_normalizing_in_pieces_never_overcounts(tiny_model_dir, text):
         assert builder._normalized_length(text) <= len(builder.normalizer.normalize_str(text))
 
 
+@pytest.mark.parametrize("run", ["7", "x", "\u4e00\u4e8c", "QUJD+/="])
+def test_a_long_run_with_no_word_boundary_is_counted_in_pieces_too(tiny_model_dir, run, monkeypatch):
+    """Digits, one letter, CJK or base64 have nowhere to cut between words: the count still stops soon
+    after the room, instead of tokenizing the whole text before its 400."""
+    builder = _builder(tiny_model_dir)
+    encoded = []
+    encode = builder.tokenizer.encode
+    monkeypatch.setattr(
+        builder.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw)
+    )
+    text = run * (2_000_000 // len(run))
+    assert builder.tokens_at_least(text, 2048) > 2048
+    assert sum(encoded) <= 4 * prompts_module.COUNTED_PIECE
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(st.sampled_from("aab7\u4e00e\u0301=+ "), min_size=1, max_size=120))
+def test_counting_in_pieces_cut_inside_words_never_overcounts(tiny_model_dir, text):
+    """Pieces of 8 to 16 characters, cut inside words where no word boundary comes in time: the count
+    less the slack per cut stays at most the whole text's tokens (a refusal is never wrong)."""
+    builder = _builder(tiny_model_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prompts_module, "COUNTED_PIECE", 8)
+        counted = builder.tokens_at_least(text, 10**9)
+    assert counted <= len(builder.tokenizer.encode(text, add_special_tokens=False))
+
+
 _BUILDERS: dict[Path, PromptBuilder] = {}
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -254,6 +255,21 @@ def test_an_unusable_directory_leaves_the_engine_serving_with_a_warning(
         engine = make_engine(tiny_model_dir, not_a_dir / "disk")
     assert "KV disk tier off" in caplog.text
     prompt = random_prompts([40], seed=41)[0]
+    assert generate(engine, "r", prompt).output_token_ids == reference.greedy(prompt, 8)
+    assert engine.stats().kv_disk_pages is None
+    engine.close()
+
+
+def test_a_disk_too_full_for_one_page_leaves_the_engine_serving_from_ram(
+    tiny_model_dir, reference, tmp_path, caplog, monkeypatch
+):
+    """With no budget set, the tier takes 10% of the free disk: less than one page file turns it off."""
+    full = SimpleNamespace(total=1 << 30, used=(1 << 30) - 4096, free=4096)
+    monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda path: full)
+    with caplog.at_level(logging.WARNING):
+        engine = make_engine(tiny_model_dir, tmp_path / "disk", disk_bytes=None)
+    assert "KV disk tier off" in caplog.text
+    prompt = random_prompts([40], seed=42)[0]
     assert generate(engine, "r", prompt).output_token_ids == reference.greedy(prompt, 8)
     assert engine.stats().kv_disk_pages is None
     engine.close()

@@ -3,6 +3,7 @@ protocol), /v1/models lists them all, and each answers with its own weights and 
 
 import argparse
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -118,6 +119,14 @@ def test_the_kv_budget_is_split_and_the_settings_name_the_models():
     assert Settings(model="/m/a").engine_configs()[0].kv_cache_bytes is None  # one model: as before
     args = add_serve_arguments(argparse.ArgumentParser()).parse_args(["--model", "/m/a", "--model", "/m/b"])
     assert settings_from_args(args, {}).models == ("/m/a", "/m/b")
+
+
+@pytest.mark.parametrize("names", ["../up,a/../../b", "..,.", "org/model,org_model", "/abs,~user"])
+def test_every_models_disk_tier_stays_inside_the_disk_directory(names, tmp_path):
+    settings = Settings(model="/m/a, /m/b", model_name=names, kv_disk_dir=str(tmp_path))
+    dirs = [Path(c.kv_disk_dir) for c in settings.engine_configs()]
+    assert all(d.resolve().parent == tmp_path.resolve() and d.name not in (".", "..") for d in dirs)
+    assert len(set(dirs)) == 2
     with pytest.raises(SettingsError, match="MINIVLLM_MODEL_NAME: 1 names for 2 models"):
         Settings(model="/m/a,/m/b", model_name="x").validated()
     with pytest.raises(SettingsError, match="must be distinct"):

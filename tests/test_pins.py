@@ -29,9 +29,9 @@ def pool_engine(model_dir, clock: Clock | None = None, eviction: str = "adaptive
     return engine
 
 
-def ask(engine, rid, prompt, pins=(), n=4):
+def ask(engine, rid, prompt, pins=(), n=4, salt=None):
     params = SamplingParams(max_tokens=n, ignore_eos=True)
-    seq = engine.add_request(rid, prompt, params, cache=CacheHints(pins=pins))
+    seq = engine.add_request(rid, prompt, params, cache=CacheHints(salt=salt, pins=pins))
     run(engine, check=True)
     return seq
 
@@ -89,6 +89,43 @@ def test_pins_stay_within_half_the_pool_and_the_oldest_give_way(tiny_model_dir):
     assert ask(engine, "oldest", prompts[0]).num_cached_tokens == 0  # it gave way, then the flood
     for i, prompt in enumerate(prompts[1:]):
         assert ask(engine, f"kept-{i}", prompt).num_cached_tokens == 160
+
+
+@pytest.mark.parametrize("attack", ["many pins", "one long pin"])
+def test_one_keys_pins_cannot_unpin_anothers(tiny_model_dir, attack):
+    """A victim's 10-page pin, within its fair share (the 32-page bound split between two keys), holds
+    against another key's pins: theirs give way to each other, or are cut to the room left."""
+    engine = pool_engine(tiny_model_dir)
+    ask(engine, "victim", PINNED, pins=((len(PINNED), 300.0),), salt="victim")
+    if attack == "many pins":
+        for i, prompt in enumerate(random_prompts([161] * 4, seed=11)):
+            ask(engine, f"attack-{i}", prompt, pins=((len(prompt), 300.0),), salt="attacker")
+    else:
+        prompt = random_prompts([481], seed=12)[0]  # 30 pages: only 22 fit beside the victim's 10
+        seq = ask(engine, "attack", prompt, pins=((len(prompt), 300.0),), salt="attacker")
+        assert seq.cache.pins[0].pages == 22 and seq.cache.pins[0].tokens == 22 * 16
+    assert engine.stats().pages_pinned <= POOL_PAGES // 2
+    flood(engine, seed=13)
+    again = ask(engine, "victim-again", PINNED, salt="victim")
+    assert again.num_cached_tokens == 160
+
+
+def test_a_domain_over_its_share_gives_way_to_a_new_one():
+    pins = Pins(limit=8, clock=Clock())
+    pins.add([b"a1", b"a2", b"a3", b"a4", b"a5", b"a6", b"a7"], 60.0, "a")  # 7 of 8 while alone
+    change = pins.add([b"b1", b"b2", b"b3"], 60.0, "b")  # a holds more than its share (4): it gives way
+    assert change.kept == [b"b1", b"b2", b"b3"] and len(change.unpinned) == 7
+    change = pins.add([b"a1", b"a2", b"a3", b"a4", b"a5", b"a6"], 60.0, "a")  # b is within its share
+    assert change.unpinned == [] and change.kept == [b"a1", b"a2", b"a3", b"a4", b"a5"]
+    assert pins.num_pages == 8 and all(h in pins for h in (b"b1", b"b2", b"b3"))
+
+
+def test_a_request_that_cannot_fit_takes_room_from_its_own_domains_pins_first():
+    pins = Pins(limit=8, clock=Clock())
+    pins.add([b"a1", b"a2", b"a3", b"a4"], 60.0, "a")
+    pins.add([b"b1", b"b2"], 60.0, "b")
+    assert pins.give_way("b") == [b"b1", b"b2"]  # b's request: b's own pin, though a's is older
+    assert pins.give_way("c") == [b"a1", b"a2", b"a3", b"a4"]  # the last resort: the largest domain's
 
 
 def test_a_pin_longer_than_the_bound_pins_its_first_pages_only():

@@ -265,7 +265,7 @@ class DiskTier:
 
     def _delete(self, hashes: list[bytes]) -> None:
         for h in hashes:
-            (self.pages_dir / file_name(h)).unlink(missing_ok=True)
+            _unlink(self.pages_dir / file_name(h))
 
     def _warn(self, message: str) -> None:
         """Log a warning at most once a WARN_EVERY_S (mutex held): a full disk fails every write."""
@@ -337,8 +337,12 @@ class DiskTier:
         """The index from the files' headers, oldest first; whatever cannot be served is deleted."""
         start = time.perf_counter()
         found: list[tuple[int, PageRecord]] = []
+        foreign = 0
         for entry in os.scandir(self.pages_dir):
             path = Path(entry.path)
+            if not entry.is_file(follow_symlinks=False):  # a directory, pipe, socket or link: not ours
+                foreign += 1
+                continue
             try:
                 if not entry.name.endswith(SUFFIX):
                     raise BadPageFile(
@@ -348,7 +352,7 @@ class DiskTier:
                 found.append((entry.stat().st_mtime_ns, PageRecord(page.hash, page.parent, page.tokens)))
             except (BadPageFile, OSError) as e:
                 logger.debug("disk tier: deleting %s: %s", entry.name, e)
-                path.unlink(missing_ok=True)
+                _unlink(path)
                 self.counters.pages_rejected += 1
         found.sort(key=lambda item: item[0])
         for _, record in found:
@@ -365,6 +369,12 @@ class DiskTier:
             time.perf_counter() - start,
             self.counters.pages_rejected,
         )
+        if foreign:
+            logger.warning(
+                "disk tier %s: %d entries that are not files (directories, pipes, links) left alone",
+                self.pages_dir,
+                foreign,
+            )
 
     def close(self) -> None:
         """Write what is queued, stop the threads, release the directory."""
@@ -395,6 +405,15 @@ def _lock(path: Path):
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def _unlink(path: Path) -> None:
+    """Delete a page file; one that cannot be deleted (a directory put in its place, a read-only disk)
+    is left, and only logged: the tier serves on."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.debug("disk tier: cannot delete %s: %s", path.name, e)
 
 
 def _touch(path: Path) -> None:

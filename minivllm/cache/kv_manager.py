@@ -146,7 +146,7 @@ class KVManager:
         restoring until apply_restores."""
         hits = self._cached_prefix(req)
         need = self.pages_for(len(req.token_ids)) - len(hits)
-        self._unblock(hits, need)
+        self._unblock(req, hits, need)
         # acquiring un-caches them (pinned ones were not counted as available)
         taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0 and not self.pool.is_idle_pin(p))
         if need > self.num_available() - taken_off_cache:
@@ -164,9 +164,9 @@ class KVManager:
             self.restores[req] = DiskRestore(req, len(hits), self.disk.read(on_disk))
         return req.num_computed_tokens
 
-    def _unblock(self, hits: list[int], need: int) -> None:
+    def _unblock(self, req: KVRequest, hits: list[int], need: int) -> None:
         """Pins never keep a request out for good: while it could not fit even with every unpinned page
-        free (hits and need new pages), the least recently refreshed pins give way."""
+        free (hits and need new pages), pins give way (its own domain's first: minivllm.cache.pins)."""
         if len(hits) + need <= self.num_pages - self.pins.num_pages:
             return  # fits beside every pin (the common case: no count of pinned hits)
         hit = set(hits)
@@ -174,7 +174,7 @@ class KVManager:
             blocking = sum(1 for h in self.pool.pinned if self.pool.index[h] not in hit)
             if len(hits) + need <= self.num_pages - blocking:
                 return
-            self._unpin(self.pins.give_way())
+            self._unpin(self.pins.give_way(req.hints.salt))
 
     def _miss(self, req: KVRequest, found: int) -> PrefixMiss | None:
         """Why req's restore stops at page `found` (RAM and disk together), or None if it restores all
@@ -297,8 +297,9 @@ class KVManager:
             n = min(tokens, req.num_prompt_tokens) // self.page_size
             hashes = req.full_page_hashes(self.page_size)[:n]
             pages = self.pool.lookup(hashes, req.token_ids, min(n, self.pins.limit))
-            kept = hashes[: len(pages)]
-            self._pin_change(self.pins.add(kept, ttl_s))
+            change = self.pins.add(hashes[: len(pages)], ttl_s, req.hints.salt)
+            self._pin_change(change)
+            kept, pages = change.kept, pages[: len(change.kept)]
             for i, page in enumerate(pages):  # the disk tier's budget may still evict them later
                 self._write_to_disk(req, i, page)
             left = self.pins.remaining_s(kept[-1]) if kept else 0.0

@@ -12,9 +12,12 @@ header and the token ids are read at start (the index is rebuilt from them); the
 each read, so a start never reads the whole tier.
 """
 
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
@@ -101,7 +104,7 @@ def parse_header(head: bytes, identity: TierIdentity) -> tuple[PageHeader, bytes
 def read_header(path: Path, identity: TierIdentity) -> PageHeader:
     """A page file's header, checked against identity and the file's length (the checksum is not: that
     needs the whole payload, read when the page is)."""
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         head = f.read(HEADER.size + 4 * identity.page_size)
         size = f.seek(0, 2)
     page, _ = parse_header(head, identity)
@@ -116,7 +119,7 @@ def read_page(path: Path, identity: TierIdentity, h: bytes, tokens: tuple[int, .
     """Read the page into out (uint8, page_bytes), verifying all of it. BadPageFile if it is not page h
     with these token ids, intact; OSError (FileNotFoundError: evicted meanwhile) passes through."""
     head = bytearray(HEADER.size + 4 * identity.page_size)
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         got = f.readinto(head)
         payload = memoryview(out)
         got += f.readinto(payload)
@@ -128,3 +131,13 @@ def read_page(path: Path, identity: TierIdentity, h: bytes, tokens: tuple[int, .
         raise BadPageFile("another page's hash or token ids")
     if checksum(bytes(head), payload) != digest:
         raise BadPageFile("checksum mismatch")
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """path opened for reading if it is a regular file, not through a link; BadPageFile otherwise. Opened
+    without blocking: a named pipe in its place must not hang the reader (a pipe waits for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadPageFile("not a regular file")
+    return os.fdopen(fd, "rb")

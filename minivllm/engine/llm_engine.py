@@ -134,6 +134,11 @@ class LLMEngine:
             return DiskTier(directory, capacity, identity)
         except DiskTierBusy:
             raise
+        except ValueError as e:  # the budget holds no page
+            if self.config.kv_disk_bytes:
+                raise  # a budget set too small: the setting is wrong
+            logger.warning("KV disk tier off: %s (10%% of the free disk); serving from the RAM pool alone", e)
+            return None
         except OSError as e:
             logger.warning(
                 "KV disk tier off: cannot use %s (%s); serving from the RAM pool alone", directory, e
