@@ -14,6 +14,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from minivllm.engine.async_engine import AsyncEngine
+from minivllm.models.backend import detect_backend, slow_blas_warning
 from minivllm.shadow import ShadowReplay
 from server import cache_api, chat, completions, messages, responses, web
 from server import protocol as p
@@ -54,6 +55,9 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         app.state.server = next(iter(app.state.models.values()))  # the first model: health, web page
         for name, eng in engines.items():
             logger.info("serving %s (max_model_len %d)", name, eng.max_model_len)
+        app.state.warnings = [w for w in [slow_blas_warning(detect_backend())] if w]
+        for warning in app.state.warnings:
+            logger.warning(warning)
         reason = f"server shutting down (open past MINIVLLM_SHUTDOWN_TIMEOUT={settings.shutdown_timeout:g} s)"
         undo = limit_shutdown(
             asyncio.get_running_loop(),
@@ -146,7 +150,10 @@ async def health(request: Request):
         return error_response(503, f"engine is not running ({', '.join(stopped)})")
     engine = request.app.state.server.engine
     replicas = sorted(name for name in engine.replica_stats() if name is not None)
-    return {"status": "ok", "replicas": replicas} if replicas else {"status": "ok"}
+    answer = {"status": "ok", "replicas": replicas} if replicas else {"status": "ok"}
+    if request.app.state.warnings:  # serving, but something the user should fix (the web page shows it)
+        answer["warnings"] = request.app.state.warnings
+    return answer
 
 
 @router.get("/metrics")

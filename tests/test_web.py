@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from minivllm.models import backend
 from tests.server_thread import ServerThread
 from tests.test_server import tiny_settings
 
@@ -58,6 +59,7 @@ def test_a_conversation_streams_and_its_second_turn_is_cached(server, page):
     assert page.locator(".msg.assistant").nth(0).inner_text().strip()
     # why the prompt missed (the stream's x-minivllm-prefix-cache comment): this prompt was never seen
     assert "cache stopped at message 0, token 0: new content" in stats.inner_text()
+    assert page.locator("#warning").is_hidden()  # this machine has OpenBLAS: nothing to fix
     ask(page, "And once more, please.")
     second = page.locator(".stats").nth(1)
     second.filter(has_text="cached").wait_for(timeout=120_000)
@@ -146,4 +148,25 @@ def test_the_page_asks_once_for_the_api_key_and_keeps_it(tiny_model_dir):
             ask(page, "Hi!")
             page.locator(".stats").nth(0).filter(has_text="cached").wait_for(timeout=120_000)
             assert len(asked) == 1 and "API key" in asked[0]
+            browser.close()
+
+
+def test_a_machine_without_openblas_is_told_so_at_start_on_health_and_on_the_page(
+    tiny_model_dir, monkeypatch, caplog
+):
+    """Linux without OpenBLAS runs every answer ~60x slower: the log, /health and the page say so, with
+    the one command that fixes it; with OpenBLAS none of them does."""
+    monkeypatch.setattr(backend, "OPENBLAS_PATH", "/usr/lib/libopenblas.so.0")
+    with ServerThread(tiny_settings(tiny_model_dir)) as fast:
+        assert "warnings" not in httpx.get(fast.url + "/health").json()
+    monkeypatch.setattr(backend, "OPENBLAS_PATH", None)
+    with caplog.at_level("WARNING", logger="server.app"), ServerThread(tiny_settings(tiny_model_dir)) as slow:
+        health = httpx.get(slow.url + "/health").json()
+        assert health["status"] == "ok" and backend.SLOW_BLAS_FIX in health["warnings"][0]
+        assert backend.SLOW_BLAS_FIX in caplog.text
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page()
+            page.goto(slow.url + "/")
+            page.locator("#warning").filter(has_text=backend.SLOW_BLAS_FIX).wait_for(timeout=30_000)
             browser.close()

@@ -76,6 +76,21 @@ def detect_backend() -> Backend:
     )
 
 
+SLOW_BLAS_FIX = "sudo apt-get install libopenblas0-pthread"
+
+
+def slow_blas_warning(backend: Backend) -> str | None:
+    """What to tell the user when MLX's CPU matmuls run on its bundled reference BLAS (Linux without
+    OpenBLAS): every answer comes ~60x slower, and the one command that fixes it."""
+    if backend.name != "cpu" or sys.platform == "darwin" or OPENBLAS_PATH is not None:
+        return None
+    return (
+        "slow: MLX's bundled reference BLAS runs matmuls ~60x slower than OpenBLAS. Fix: "
+        f"`{SLOW_BLAS_FIX}` (Debian, Ubuntu; elsewhere install OpenBLAS and set MINIVLLM_OPENBLAS to its "
+        "libopenblas.so.0), then restart the server"
+    )
+
+
 def processor_name() -> str:
     """The CPU's model name (what a measurement of the machine depends on, with its core count)."""
     try:
