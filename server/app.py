@@ -18,7 +18,7 @@ from minivllm.models.backend import detect_backend, slow_blas_warning
 from minivllm.shadow import ShadowReplay
 from server import cache_api, chat, completions, messages, responses, web
 from server import protocol as p
-from server.connections import quiet_accept_errors
+from server.connections import guard_running_server, quiet_accept_errors
 from server.core import ServerState, state_for
 from server.engine_client import EngineClient
 from server.errors import error_response, install_error_handlers
@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         nonlocal settings
         settings = settings or Settings.from_env()
         _configure_logging(settings.log_level)
+        guard_running_server(settings)  # under `uvicorn server.app:app`: serve's connection guard too
         quiet_accept_errors(asyncio.get_running_loop())
         engines = await _engines(settings, engine)
         owned = [e for e in engines.values() if isinstance(e, AsyncEngine) and not e.is_running]

@@ -1,12 +1,13 @@
 """What every HTTP request passes before the app: the API-key check on /v1 routes (`Authorization: Bearer
-<key>`, or Anthropic's `x-api-key: <key>`), the request-size limit, and the request counts by endpoint and
-status. Its errors take the shape of the route's protocol (server.errors).
+<key>`, or Anthropic's `x-api-key: <key>`), the request-size limit, the body timeout, and the request counts
+by endpoint and status. Its errors take the shape of the route's protocol (server.errors).
 
 Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched. The size
 limit holds before anything parses the body: a Content-Length over it is answered at once without reading,
 and a chunked body is counted as it arrives and refused the moment it passes the limit.
 """
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -50,18 +51,37 @@ class TooManyBodies(HTTPException):
         super().__init__(429, message, headers={"Retry-After": "1"})
 
 
+class BodyStalled(HTTPException):
+    """No piece of the request's body came for MINIVLLM_BODY_TIMEOUT seconds: its bytes and its connection
+    are let go (a client that stops half-way must not hold them)."""
+
+    def __init__(self, timeout: float):
+        message = f"the request body stopped arriving for {timeout:g} s (MINIVLLM_BODY_TIMEOUT)"
+        super().__init__(408, message, headers={"Connection": "close"})
+
+
 class GatewayMiddleware:
     def __init__(self, app, metrics: Metrics):
         self.app = app
         self.metrics = metrics
         self.body_bytes = 0  # bytes of the bodies of the requests in flight (each parsed body lives as long)
 
-    def _limited(self, receive, limit: int, budget: int, held: list[int]):
+    def _limited(self, receive, limit: int, budget: int, held: list[int], timeout: float):
         """receive(), counting body bytes: past `limit` for this request it raises RequestTooLarge, past
-        `budget` for all requests in flight TooManyBodies, instead of returning them."""
+        `budget` for all requests in flight TooManyBodies, instead of returning them; while the body is
+        incomplete, a wait past `timeout` for its next piece raises BodyStalled. (Once it is whole, receive
+        waits for the client's disconnect, for as long as a stream runs: no timeout then.)"""
+        body_done = False
 
         async def receive_limited():
-            message = await receive()
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout)
+            except asyncio.TimeoutError:
+                raise BodyStalled(timeout) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 n = len(message.get("body", b""))
                 held[0] += n
@@ -120,7 +140,8 @@ class GatewayMiddleware:
                     refusal.status_code, refusal.detail, path=path, headers=refusal.headers
                 )
                 return await response(scope, receive, send_observed)
-            await self.app(scope, self._limited(receive, limit, budget, held), send_observed)
+            receive = self._limited(receive, limit, budget, held, state.settings.body_timeout)
+            await self.app(scope, receive, send_observed)
         finally:
             self.body_bytes -= held[0]
             endpoint = path if path in ENDPOINTS else "other"

@@ -14,7 +14,7 @@ from server.settings import OPTIONS, SettingsError, add_serve_arguments, setting
 
 CONNECTION_OPTIONS = [
     o for o in OPTIONS if o.name in ("max_connections", "header_timeout", "keepalive_timeout")
-]
+]  # the body timeout is the app's own: it holds behind Ray Serve's proxy too
 
 
 def serve_main(argv: list[str] | None = None) -> int:

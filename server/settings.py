@@ -279,8 +279,8 @@ OPTIONS: tuple[Option, ...] = (
         int,
         _parse_int,
         1000,
-        "open connections at most (minivllm serve); past it the one idle longest is closed, or, when all serve "
-        "requests, the new one gets HTTP 503",
+        "open connections at most; past it the one waiting longest (idle, or stalled in its headers or body) is "
+        "closed, or, when all are being served, the new one gets HTTP 503",
     ),
     Option(
         "header_timeout",
@@ -288,7 +288,15 @@ OPTIONS: tuple[Option, ...] = (
         float,
         _parse_seconds,
         10.0,
-        "seconds a connection may take to send a request's headers (minivllm serve); then it is closed",
+        "seconds a connection may take to send a request's headers; then it is closed",
+    ),
+    Option(
+        "body_timeout",
+        "MINIVLLM_BODY_TIMEOUT",
+        float,
+        _parse_seconds,
+        10.0,
+        "seconds a request's body may pause between two of its pieces; then it is answered 408 and closed",
     ),
     Option(
         "keepalive_timeout",
@@ -296,7 +304,7 @@ OPTIONS: tuple[Option, ...] = (
         float,
         _parse_seconds,
         5.0,
-        "seconds an idle connection is kept open after a response (minivllm serve)",
+        "seconds an idle connection is kept open after a response",
     ),
     Option(
         "api_key",
@@ -363,6 +371,8 @@ class Settings(_SettingsFields):
             raise SettingsError(f"MINIVLLM_MAX_CONNECTIONS: must be >= 1, got {self.max_connections}")
         if not self.header_timeout > 0:
             raise SettingsError(f"MINIVLLM_HEADER_TIMEOUT: must be > 0, got {self.header_timeout}")
+        if not self.body_timeout > 0:
+            raise SettingsError(f"MINIVLLM_BODY_TIMEOUT: must be > 0, got {self.body_timeout}")
         self.engine_configs()
         return self
 

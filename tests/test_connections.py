@@ -3,15 +3,20 @@ longest (so idle sockets never lock out /health), a refusal in the route's proto
 connection serves a request, a header timeout against clients that trickle their headers, and a log that
 stays small. Each waits for what the server does (a socket closed, a response), never a guessed time."""
 
+import asyncio
 import json
 import logging
 import select
 import socket
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
+from server.connections import guarded_protocol
 from server.settings import Settings, SettingsError
 from tests.server_thread import ServerThread, tiny_settings
 
@@ -28,7 +33,9 @@ def capped(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def impatient(tiny_model_dir):
-    settings = tiny_settings(tiny_model_dir, max_connections=2, header_timeout=0.5, keepalive_timeout=0.5)
+    settings = tiny_settings(
+        tiny_model_dir, max_connections=2, header_timeout=0.5, keepalive_timeout=0.5, body_timeout=0.5
+    )
     with ServerThread(settings) as s:
         yield s
 
@@ -103,29 +110,97 @@ def _length(data: bytes) -> int:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
-def test_when_every_connection_serves_a_request_a_new_one_gets_a_protocol_shaped_503(impatient, path):
+def test_when_every_connection_serves_a_request_a_new_one_gets_a_protocol_shaped_503(
+    impatient, path, monkeypatch
+):
+    released, step = threading.Event(), impatient.engine.step
+    monkeypatch.setattr(impatient.engine, "step", lambda: released.wait(DEADLINE_S) and step())
+    body = {"model": "tiny", "max_tokens": 2}
+    body.update(
+        {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     busy = [_connect(impatient) for _ in range(2)]
     try:
-        for s in busy:  # headers whole, body still coming: a request in progress, not idle
-            s.sendall(_request(path, b"{", declared=100))
-        _wait_for(lambda: sum(c.cycle is not None for c in impatient.server.server_state.connections) == 2)
+        for s in busy:  # whole requests the held engine is working on: being served, not waiting
+            s.sendall(_request(path, json.dumps(body).encode()))
+        _wait_for(lambda: len(impatient.server.server_state.connections) == 2 and not _waiting(impatient))
         with _connect(impatient) as extra:
             extra.sendall(_request(path, b"{}"))
-            status, headers, body = _response(extra)
+            status, headers, answer = _response(extra)
         assert status == 503 and headers["retry-after"] == "1"
         if path == "/v1/messages":
-            assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
-            assert "MINIVLLM_MAX_CONNECTIONS" in body["error"]["message"]
+            assert answer["type"] == "error" and answer["error"]["type"] == "overloaded_error"
+            assert "MINIVLLM_MAX_CONNECTIONS" in answer["error"]["message"]
         else:
             assert (
-                body["error"]["type"] == "server_error"
-                and "MINIVLLM_MAX_CONNECTIONS" in body["error"]["message"]
+                answer["error"]["type"] == "server_error"
+                and "MINIVLLM_MAX_CONNECTIONS" in answer["error"]["message"]
             )
     finally:
+        released.set()
         for s in busy:
             s.close()
     _wait_for(lambda: not impatient.server.server_state.connections)
     assert httpx.get(impatient.url + "/health", timeout=DEADLINE_S).status_code == 200
+
+
+def _waiting(server) -> int:
+    """Connections in the guard's book of those waiting (for headers, a body, or a next request)."""
+    connections = list(server.server.server_state.connections)
+    return len(type(connections[0]).waiting) if connections else 0
+
+
+def test_stalled_bodies_past_the_cap_never_lock_out_health(capped):
+    """Requests whose bodies stop half-way are not being served: past the cap the one stalled longest is
+    closed, as an idle one would be (they once held the cap, and /health got 503 until they went)."""
+    socks = [_connect(capped) for _ in range(IDLE_SOCKETS)]
+    try:
+        for s in socks:
+            s.sendall(_request("/v1/chat/completions", b'{"model": ', declared=1000))
+        still_open = _wait_closed(socks, IDLE_SOCKETS - CAP)
+        assert len(still_open) == CAP and socks[0] not in still_open
+        r = httpx.get(capped.url + "/health", timeout=DEADLINE_S)
+        assert r.status_code == 200 and len(capped.server.server_state.connections) <= CAP
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_burst_of_connections_stays_within_the_cap():
+    """Connections accepted in one go (the event loop calls their connection_made back to back, before any
+    closed one is gone): each past the cap closes a different waiting one. They once all picked the same
+    one, still closing, and a burst of thousands grew far past the cap."""
+
+    async def burst() -> int:
+        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(app=_never_called)
+        config.load()
+        state, guarded = ServerState(), guarded_protocol(max_connections=4, header_timeout=60)
+        pairs = [socket.socketpair() for _ in range(20)]
+        new = lambda: guarded(config=config, server_state=state, app_state={})  # noqa: E731
+        await asyncio.gather(*(loop.connect_accepted_socket(new, ours) for ours, _ in pairs))
+        while any(c.transport.is_closing() for c in state.connections):  # closed, connection_lost to come
+            await asyncio.sleep(0)
+        open_now = len(state.connections)
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+        return open_now
+
+    assert asyncio.run(burst()) == 4
+
+
+async def _never_called(scope, receive, send):
+    raise AssertionError("no request was sent")
+
+
+def test_a_body_that_stops_coming_is_answered_408_and_closed(impatient):
+    with _connect(impatient) as s:
+        s.sendall(_request("/v1/completions", b'{"model": ', declared=100))
+        status, headers, body = _response(s)
+        assert status == 408 and "MINIVLLM_BODY_TIMEOUT" in body["error"]["message"]
+        assert headers["connection"] == "close"
+        _wait_closed([s], 1)
 
 
 def _wait_for(condition) -> None:
@@ -165,5 +240,7 @@ def test_connection_settings_are_checked():
         Settings.from_env({"MINIVLLM_MAX_CONNECTIONS": "0"})
     with pytest.raises(SettingsError, match="MINIVLLM_HEADER_TIMEOUT"):
         Settings.from_env({"MINIVLLM_HEADER_TIMEOUT": "0"})
+    with pytest.raises(SettingsError, match="MINIVLLM_BODY_TIMEOUT"):
+        Settings.from_env({"MINIVLLM_BODY_TIMEOUT": "0"})
     s = Settings.from_env({"MINIVLLM_MAX_CONNECTIONS": "64", "MINIVLLM_KEEPALIVE_TIMEOUT": "2.5"})
     assert (s.max_connections, s.keepalive_timeout) == (64, 2.5)
