@@ -999,8 +999,8 @@ MUTATIONS = [
         "count-whole-run",
         "a long run with no word boundary is one piece: a huge text is tokenized whole before its 400",
         "server/prompts.py",
-        "cut = SAFE_CUT.search(text, start + size, start + 2 * size)",
-        "cut = SAFE_CUT.search(text, start + size)",
+        "        if cut or start + 2 * size >= len(text):",
+        "        if True:",
         ("tests/test_hardening.py", "-k", "no_word_boundary"),
     ),
     Mutation(
