@@ -12,7 +12,7 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from server.core import ServerState
+from server.core import ServerState, state_for
 
 router = APIRouter()
 PAGE = resources.files("server") / "static" / "index.html"
@@ -33,9 +33,10 @@ async def page() -> HTMLResponse:
 
 
 @router.get("/v1/cache/stats")
-async def cache_stats(request: Request) -> dict:
-    """The engine's counters and gauges (summed over replicas behind a router), and the token hit rate."""
-    st: ServerState = request.app.state.server
+async def cache_stats(request: Request, model: str | None = None) -> dict:
+    """The engine's counters and gauges (summed over replicas behind a router), and the token hit rate, of
+    the served model `model` names (default: the first; the page asks for the one it chats with)."""
+    st: ServerState = state_for(request, model) if model is not None else request.app.state.server
     total: dict[str, float] = {}
     for stats in st.engine.replica_stats().values():
         for key, value in asdict(stats).items():

@@ -10,8 +10,10 @@ import httpx
 import pytest
 
 from minivllm.models import backend
+from server.settings import Settings
 from tests.server_thread import ServerThread
 from tests.test_server import tiny_settings
+from tests.tiny_model import make_tiny_model
 
 playwright = pytest.importorskip("playwright.sync_api", reason="needs the dev extra: pip install playwright")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -170,3 +172,30 @@ def test_a_machine_without_openblas_is_told_so_at_start_on_health_and_on_the_pag
             page.goto(slow.url + "/")
             page.locator("#warning").filter(has_text=backend.SLOW_BLAS_FIX).wait_for(timeout=30_000)
             browser.close()
+
+
+def test_code_fences_start_a_line_and_inline_backticks_stay_text(page):
+    assert page.evaluate("render('use ``` inline, then more')") == "use ``` inline, then more"
+    fenced = page.evaluate("render('see:\\n```python\\nx = 1\\n```\\ndone')")
+    assert fenced == "see:\n<pre>x = 1\n</pre>done"
+
+
+def test_with_several_models_the_panel_shows_the_chosen_ones_cache(tmp_path):
+    dirs = [make_tiny_model(tmp_path / name, seed=seed) for seed, name in enumerate(("alpha", "beta"))]
+    settings = Settings(model=",".join(map(str, dirs)), model_name="alpha,beta", kv_cache_bytes=8 << 20)
+    with ServerThread(settings) as s, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page()
+        page.goto(s.url + "/")
+        page.locator("#model").select_option("beta")
+        ask(page, "Hello beta.")
+        page.locator(".stats").nth(0).filter(has_text="cached").wait_for(timeout=120_000)
+        s.wait_idle()
+        stats = {m: httpx.get(s.url + f"/v1/cache/stats?model={m}").json() for m in ("alpha", "beta")}
+        assert stats["alpha"]["prefix_query_tokens"] == 0 < stats["beta"]["prefix_query_tokens"]
+        looked_up = str(stats["beta"]["prefix_query_tokens"])
+        page.locator('dd[data-key="prompt tokens looked up"]').filter(has_text=looked_up).wait_for(
+            timeout=10_000
+        )
+        assert httpx.get(s.url + "/v1/cache/stats?model=gamma").status_code == 404
+        browser.close()
