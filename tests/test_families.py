@@ -11,6 +11,7 @@ from tests.test_engine import random_prompts
 from tests.tiny_model import FAMILY_OPTIONS, make_tiny_family_model
 
 QWEN3_MOE = {k: v for k, v in FAMILY_OPTIONS["qwen3_moe"].items() if k != "num_hidden_layers"}
+GLM4_MOE = FAMILY_OPTIONS["glm4_moe"]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_OPTIONS))
@@ -41,6 +42,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 REFUSED = [
     ("gemma2", {}, "unsupported architecture 'gemma2'"),
     ("qwen3_moe", {**QWEN3_MOE, "rope_scaling": YARN}, "rope scaling ({"),  # mlx-lm's module ignores it
+    ("glm4_moe", {**GLM4_MOE, "rope_scaling": YARN}, "rope scaling ({"),  # so does GLM's
     ("phi3", {"sliding_window": 64}, "window 64 < context 4096"),  # mlx-lm's module ignores it
     ("gemma3_text", {"final_logit_softcapping": 30.0}, "logit soft-capping"),
     (

@@ -222,6 +222,25 @@ FAMILY_OPTIONS = {
         "moe_intermediate_size": 64,
         "norm_topk_prob": True,
     },
+    # GLM-4.5's options: a dense first layer, then routed experts picked by sigmoid scores within the best
+    # expert groups (a correction bias, scaled weights) beside a shared expert; q/k norms, biased q/k/v,
+    # rope on half of each head
+    "glm4_moe": {
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": None,
+    },
 }
 
 

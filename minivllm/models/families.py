@@ -6,7 +6,7 @@ silently answer wrong tokens. So a model is served only when its `model_type` is
 config uses no option the family's entry does not cover; the error names the architecture and what is
 missing. Each family listed is checked token for token against mlx-lm's own implementation in the tests.
 The blocks' computation lives in one file per family that differs: qwen2 (Qwen2, Qwen3, Llama, Mistral,
-Qwen3-MoE), phi3, gemma3_text.
+Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text.
 """
 
 from collections.abc import Callable
@@ -77,18 +77,20 @@ BLOCK = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 SWIGLU = {"gate_proj", "up_proj", "down_proj"}
 GEMMA_NORMS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
 EXPERTS = {"gate", "switch_mlp"}  # Qwen3-MoE's sparse block: the router and mlx-lm's SwitchGLU
+SHARED_EXPERT = {"shared_experts"}  # GLM-4.5's: a dense SwiGLU beside the routed experts
 
 
-def layout(attention: set[str], block: set[str], mlps: tuple[set[str], ...]) -> Check:
-    """Every block has exactly these submodules (its MLP one of `mlps`), and the attention module the
-    head counts and scale the forward reads."""
+def layout(attention: set[str] | tuple[set[str], ...], block: set[str], mlps: tuple[set[str], ...]) -> Check:
+    """Every block has exactly these submodules (its attention module one of `attention`, its MLP one of
+    `mlps`), and the attention module the head counts and scale the forward reads."""
+    attentions = attention if isinstance(attention, tuple) else (attention,)
 
     def check(config: dict, model: nn.Module) -> str | None:
         for block_module in model.model.layers:
             attn = getattr(block_module, "self_attn", None)
             absent = [n for n in ("n_heads", "n_kv_heads", "scale") if not hasattr(attn, n)]
             found = [
-                differs("an attention module", attn, attention),
+                differs("an attention module", attn, min(attentions, key=lambda a: len(a ^ _children(attn)))),
                 differs("a block", block_module, block),
                 mlp_differs(getattr(block_module, "mlp", None), mlps),
             ]
@@ -172,6 +174,14 @@ FAMILIES = {
         SHARED
         + (no_rope_scaling, activation, no_sliding_window)
         + (layout(ATTENTION | QK_NORMS, BLOCK, (SWIGLU, EXPERTS)),),
+        fixed(qwen2.ARCHITECTURE),
+    ),
+    # GLM-4.5 / 4.6 / 4.7: mlx-lm's MoE module runs whole in the MLP's place (its router's sigmoid and
+    # group selection, the shared expert); attention is the Llama block's, q/k norms optional
+    "glm4_moe": Family(
+        SHARED
+        + (no_rope_scaling, activation, no_sliding_window)
+        + (layout((ATTENTION, ATTENTION | QK_NORMS), BLOCK, (SWIGLU, EXPERTS, EXPERTS | SHARED_EXPERT)),),
         fixed(qwen2.ARCHITECTURE),
     ),
     "phi3": Family(

@@ -1,9 +1,11 @@
-"""The Llama-family block: Qwen2, Qwen3 (q/k norms), Llama, Mistral and Qwen3-MoE (experts in place of
-the MLP), over a flat ragged batch with paged KV (minivllm.models.families says which configs run).
+"""The Llama-family block: Qwen2, Qwen3 (q/k norms), Llama, Mistral, Qwen3-MoE and GLM-4.5 MoE (experts in
+place of the MLP), over a flat ragged batch with paged KV (minivllm.models.families says which configs run).
 
 Separate projections q/k/v/o, rope, a norm before attention and one before the MLP; the MLP is SwiGLU,
-or Qwen3-MoE's sparse block: mlx-lm's own module (a softmax router, the top-k experts, their weights
-renormalized when norm_topk_prob, the experts' SwiGLU through SwitchGLU's gather matmuls).
+or a sparse block run as mlx-lm's own module: Qwen3-MoE's (a softmax router, the top-k experts, their
+weights renormalized when norm_topk_prob, the experts' SwiGLU through SwitchGLU's gather matmuls) or
+GLM-4.5's (sigmoid scores with a correction bias, the top experts within the best groups, scaled, and a
+shared expert beside them).
 """
 
 import mlx.core as mx
@@ -35,7 +37,7 @@ def queries(attn: nn.Module, x: mx.array, layout: AttentionLayout) -> mx.array:
 
 def mlp(module: nn.Module, x: mx.array) -> mx.array:
     if not hasattr(module, "gate_proj"):
-        return module(x)  # Qwen3-MoE's sparse block (families admits no other module here)
+        return module(x)  # a sparse block, Qwen3-MoE's or GLM-4.5's (families admits no other module here)
     return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
 
 
