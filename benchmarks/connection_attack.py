@@ -11,7 +11,8 @@ the prober asks GET /health every 0.25 s and a 2-token chat every second (5 s ti
 mode: the probes' latency (p50, p99, max) and failures during the attack, the server's most open file
 descriptors, the seconds from the attack's end until /health and the chat both answer within 1 s, and
 the seconds from SIGTERM to the server's exit while a client holds a body that never ends (with
-MINIVLLM_SHUTDOWN_TIMEOUT=5 and the body timeout far away). Writes nothing.
+MINIVLLM_SHUTDOWN_TIMEOUT=5 and the body timeout far away). Writes benchmarks/results/connection_attack.{json,md}
+(from a clean tree; --allow-dirty to try changes).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness.results import markdown_table, metadata
+from benchmarks.harness import results
+from benchmarks.harness.results import metadata
 from benchmarks.harness.servers import free_port
 
 PROBE_TIMEOUT_S = 5.0
@@ -211,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stalled", type=int, default=1_100)
     p.add_argument("--seconds", type=float, default=40.0)
     p.add_argument("--model", type=Path, help="model dir (default: a tiny random model)")
+    p.add_argument("--out", type=Path, default=results.RESULTS_DIR, help="directory for the results")
+    p.add_argument("--allow-dirty", action="store_true")
     args = p.parse_args(argv)
+    results.require_clean_tree(args.allow_dirty)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             from tests.tiny_model import make_tiny_model
@@ -219,13 +224,15 @@ def main(argv: list[str] | None = None) -> None:
             args.model = make_tiny_model(Path(tmp) / "tiny")
         modes = ["serve", "uvicorn"] if args.mode == "both" else [args.mode]
         rows = [run_mode(mode, args.model, args) for mode in modes]
-        meta = metadata(args.model)
-    print(
-        f"# connection attacks ({meta['date']}, commit {meta['git']['commit']}, dirty {meta['git']['dirty']})"
+        meta = metadata(args.model, idle=args.idle, stalled=args.stalled, seconds=args.seconds)
+    notes = (
+        f"{args.idle} idle and {args.stalled} stalled connections for {args.seconds:g} s against the default "
+        f"MINIVLLM_MAX_CONNECTIONS (1000); SIGTERM with MINIVLLM_SHUTDOWN_TIMEOUT={SHUTDOWN_TIMEOUT_S:g}."
     )
-    print(f"# {args.idle} idle and {args.stalled} stalled connections for {args.seconds:g} s")
-    print(f"# machine: {meta['machine']}")
-    print(markdown_table(rows))
+    paths = results.write_results(
+        "connection_attack", rows, meta, out_dir=args.out, notes=notes, allow_dirty=args.allow_dirty
+    )
+    results.print_report(paths)
 
 
 if __name__ == "__main__":

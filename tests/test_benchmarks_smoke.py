@@ -293,6 +293,20 @@ def test_kv_tier_quick_restores_the_prompt_from_disk(tiny_model_dir, tmp_path):
     assert {"decode, no disk tier", "page files written, one page per file"} <= set(rows)
 
 
+def test_connection_attack_probes_both_servers_through_an_attack(tiny_model_dir, tmp_path):
+    """benchmarks.connection_attack, small: both servers answer every probe and exit on SIGTERM."""
+    from benchmarks import connection_attack
+
+    args = ["--idle", "60", "--stalled", "20", "--seconds", "2", "--model", str(tiny_model_dir)]
+    connection_attack.main([*args, "--out", str(tmp_path), "--allow-dirty"])
+    (path,) = tmp_path.glob("connection_attack*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["serve", "uvicorn"]
+    for row in rows:
+        assert row["health"].endswith(f"failed 0 of {row['health'].rsplit(' ', 1)[1]}")
+        assert not row["SIGTERM to exit s"].startswith(">")
+
+
 def test_replay_tiers_writes_both_tables(tmp_path):
     from benchmarks import replay_tiers
     from tests.test_replay import random_prefix_trace
