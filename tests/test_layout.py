@@ -224,6 +224,7 @@ ENGINE_PUBLIC = {
     "minivllm.engine.grammar",
     "minivllm.models.loader",
     "minivllm.models.tokenizer",
+    "minivllm.models.backend",  # the compute path, and what the user should fix about it (a slow BLAS)
 }
 
 
