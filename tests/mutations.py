@@ -166,8 +166,8 @@ MUTATIONS = [
         "default-never-switches",
         "the default policy keeps its first configuration whichever shadow hits more",
         "minivllm/cache/eviction.py",
-        "        if (\n            lead > self._margin",
-        "        if (\n            False",
+        "        if lead > self._margin and",
+        "        if False and",
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
@@ -186,9 +186,18 @@ MUTATIONS = [
         "the default policy switches configuration on a lead above the margin however noisy (a single long "
         "prompt one shadow happens to hold: 17 switches on the synthetic trace's last third)",
         "minivllm/cache/eviction.py",
-        "            and lead > self.Z * self._noise[min(leader, self.mode), max(leader, self.mode)] ** 0.5",
-        "            and True",
+        "and lead > self.Z * self._lead_noise(leader, self.mode):",
+        "and True:",
         ("tests/test_policy_robustness.py", "-k", "third"),
+    ),
+    Mutation(
+        "default-noise-without-the-request-under-way",
+        "the default's noise test leaves out the request under way, whose hits the lead already holds (one "
+        "long prompt that one shadow holds switches the cache)",
+        "minivllm/cache/eviction.py",
+        "        return (self._noise[i, j] + (self._request[i] - self._request[j]) ** 2) ** 0.5",
+        "        return self._noise[i, j] ** 0.5",
+        ("tests/test_adaptive_eviction.py", "-k", "one_long"),
     ),
     Mutation(
         "default-switches-at-a-small-lead",
