@@ -627,33 +627,32 @@ class Adaptive(EvictionPolicy):
     of the better of LRU and S3FIFO everywhere, so the policy keeps a shadow of each (keys only, no
     pages: the same accesses and releases, their own evictions), counts the hits of each over the last
     ``WINDOW`` times the capacity accesses (exponentially decayed), and switches its own cache to the
-    configuration of the leader once the leader is ahead of the configuration in use by ``MARGIN`` of
-    that window and by ``Z`` times the lead's noise (a switch reorders the cached keys, it evicts
-    nothing). This is the miniature-simulation idea (Waldspurger et al., USENIX ATC 2017) at full size.
+    configuration of the leader once the leader is ahead of the configuration in use by ``Z`` times the
+    lead's noise (a switch reorders the cached keys, it evicts nothing). This is the miniature-simulation idea (Waldspurger et al., USENIX ATC 2017) at full size.
     The cache is one ``Segmented``: every guarantee of that class (prefix-aware, tails first, in-use keys
     never evicted, evicting only when full) holds.
 
     The noise: a shadow's hits come a request at a time, and one long prompt that one shadow happens to
-    hold and another does not moves the lead by a hundred blocks, more than the margin. Such a lead says
+    hold and another does not moves the lead by a hundred blocks. Such a lead says
     which keys the shadow holds, not that its configuration is better, and following it costs: the cache
     holds other keys than the leader, and a cache shaped by one configuration serves another poorly for a
     while. So the policy also keeps, per pair of shadows, the decayed sum of the squared difference of
     their hits per request (a request starts at an access without a parent): the variance of the lead were
-    the two configurations equal. A switch needs the lead above ``Z`` standard deviations of it. A
-    configuration that is better gains on most requests (growing conversations: the partial block, on
-    every turn), its lead grows with the requests and its noise with their square root; on the Mooncake
-    traces at 1k blocks, where every policy hits under a fifth of the tokens, leads of the margin's size
-    come and go with single prompts.
+    the two configurations equal, the request under way included. A switch needs the lead above ``Z``
+    standard deviations of it. A configuration that is better gains on most requests (growing
+    conversations: the partial block, on every turn), its lead grows with the requests and its noise with
+    their square root; on the Mooncake traces at 1k blocks, where every policy hits under a fifth of the
+    tokens, leads of a hundred blocks come and go with single prompts and never pass the test.
     """
 
     WINDOW = 4.0
-    # The least lead, as a share of the window. With MARGIN alone (0.01), 17 switches between the
-    # frequency and LRU configurations on the synthetic trace's last third at 1k blocks left the cache at
-    # 0.947x LRU, where each configuration alone reached 0.99-1.04x; raising MARGIN to 0.015 did not help.
-    MARGIN = 0.015
-    # The lead must also pass Z standard deviations of its noise: 3 switches there (1.057x), and on the
-    # growing-conversation forests the one switch to the LRU configuration still comes early enough
-    # (0.986-0.997x the infinite cache where LRU holds the working set).
+    # The lead must pass Z standard deviations of its noise. A lead of a fixed share of the window alone
+    # (1-1.5%) let single prompts switch the cache: 17 switches on the synthetic trace's last third at 1k
+    # blocks, 0.947x LRU where each configuration alone reached 0.99-1.04x. Once the noise counts the
+    # request under way it rejects such leads by itself, and a share of the window on top only delays the
+    # switches that matter: on growing-conversation forests that fill a 3k-block cache two thirds into the
+    # trace, the LRU configuration's lead stood 14 deviations above its noise and still short of 1.5% when
+    # the trace ended (0.979-0.985x the infinite cache, 0.995-0.999x without it).
     Z = 2.0
 
     prefix_aware = True
@@ -669,7 +668,6 @@ class Adaptive(EvictionPolicy):
         # per pair of shadows (i < j): the decayed sum over requests of (hits of i - hits of j) ** 2
         self._noise = {pair: 0.0 for pair in itertools.combinations(range(len(CONFIGURATIONS)), 2)}
         self._decay = 1.0 - 1.0 / (self.WINDOW * capacity)
-        self._margin = self.MARGIN * self.WINDOW * capacity
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.cache
@@ -694,7 +692,7 @@ class Adaptive(EvictionPolicy):
             self._noise[pair] *= self._decay * self._decay
         leader = max(range(len(self.scores)), key=self.scores.__getitem__)
         lead = self.scores[leader] - self.scores[self.mode]
-        if lead > self._margin and lead > self.Z * self._lead_noise(leader, self.mode):
+        if leader != self.mode and lead > self.Z * self._lead_noise(leader, self.mode):
             self.mode = leader
             self.cache.set_mode(*CONFIGURATIONS[leader])
         return self.cache.access(key, parent, partial)
