@@ -71,7 +71,7 @@ class EngineConfig:
     overlap: bool | None = None
     # CPU backend: float32 weight matrices as nn.Linear keeps them ([out, in]), transposed ([in, out]), or
     # each shape in the layout measured faster on this machine (minivllm.models.cpu_layout)
-    cpu_weight_layout: str = "native"
+    cpu_weight_layout: str = "auto"
     # speculative decoding: "ngram" drafts tokens by prompt lookup (minivllm.engine.ngram_draft) and
     # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
     speculative: Speculative = Speculative.OFF

@@ -1047,6 +1047,14 @@ MUTATIONS = [
         ("tests/test_multi_model.py", "-k", "inside"),
     ),
     Mutation(
+        "layout-times-small-matrices",
+        "auto times matrices that fit the caches: a tiny model's layout becomes noise",
+        "minivllm/models/cpu_layout.py",
+        "measured = [s for s in shapes if _shape_bytes(s) >= MIN_MEASURED_BYTES]",
+        "measured = shapes",
+        ("tests/test_cpu_layout.py", "-k", "small_matrices"),
+    ),
+    Mutation(
         "slow-blas-silent",
         "a machine without OpenBLAS is not told it runs ~60x slower",
         "server/app.py",

@@ -96,6 +96,7 @@ def shapes_of(model_dir) -> list[str]:
 
 def test_auto_follows_the_cached_measurement_without_measuring(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_layout, "MIN_MEASURED_BYTES", 0)  # the tiny model's matrices count here
     shapes = shapes_of(tiny_model_dir)
     faster = shapes[0]  # one shape measured faster transposed, the others not
     entries = {s: vars(timing(10.0, 5.0 if s == faster else 10.0)) for s in shapes}
@@ -120,6 +121,7 @@ ENTRY_OF_ANOTHER_FORM = {"version": 1, "machines": {machine_key(CPU.blas): {"64x
 )
 def test_a_corrupt_cache_file_is_ignored_and_rewritten(tiny_model_dir, tmp_path, monkeypatch, content):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_layout, "MIN_MEASURED_BYTES", 0)
     (tmp_path / "cpu_weight_layout.json").write_text(content)
     measured = []
 
@@ -137,6 +139,19 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(tiny_model_dir, tmp_path,
     measured.clear()
     load_model(str(tiny_model_dir), CPU, "auto")  # the second load reads the cache back
     assert measured == []
+
+
+def test_auto_is_the_default_and_keeps_small_matrices_native_unmeasured(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Matrices under MIN_MEASURED_BYTES fit the caches: their layout cannot change a weight-streaming
+    decode and timing them is noise, so auto leaves them as nn.Linear has them, measuring nothing."""
+    assert EngineConfig().cpu_weight_layout == "auto"
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_layout, "measure_shape", lambda *a: pytest.fail("measured a small matrix"))
+    model, _, config = load_model(str(tiny_model_dir), CPU, "auto")
+    assert set(config["_weight_layouts"].values()) == {"native"}
+    assert not any(isinstance(m, TransposedLinear) for _, m in model.named_modules())
 
 
 def test_a_real_measurement_times_every_row_count_of_both_layouts():

@@ -6,7 +6,7 @@ batches a decode step is one pass over every weight matrix, so the faster layout
 Which one is faster depends on the machine, its BLAS and the matrix shape, so each distinct shape is
 measured once per machine (both layouts, interleaved, at 1 and 8 rows for decode and 512 rows for a
 prefill chunk) and the result cached in the model cache directory; a shape goes transposed only when
-that is faster for decode and no slower for prefill.
+that is faster for decode and no slower for prefill. Matrices under 1 MiB stay native unmeasured.
 
 Swapped layers become `TransposedLinear`, which computes the same function (OpenBLAS gives the same
 bits either way), so a family's forward still calls `attn.q_proj(x)`. The swap goes one matrix at a
@@ -36,6 +36,9 @@ PREFILL_ROWS = 512
 DECODE_PROBE_BYTES = 64 << 20  # per layout: matrices enough to outgrow the caches, as a model's weights do
 PREFILL_PROBE_BYTES = 8 << 20
 PROBE_MAX_MATRICES = 256  # small matrices cost their calls more than their bytes: fewer of them will do
+# a smaller matrix stays native under "auto", unmeasured: it fits the caches, so its layout cannot change a
+# weight-streaming decode, and a measurement of it is noise (a tiny test model's every matrix)
+MIN_MEASURED_BYTES = 1 << 20
 DECODE_GAIN = 0.95  # transposed only when its decode pass takes at most this share of the native one
 PREFILL_SLACK = 1.02  # ... and its prefill pass at most this much longer (within the measurement's noise)
 CACHE_VERSION = 1
@@ -81,8 +84,11 @@ def apply_layout(model: nn.Module, layout: str, cache_file: Path, blas: str) -> 
     names = [name for name, module in model.named_modules() if _swappable(module)]
     shapes = sorted({_shape_key(_module_at(model, name).weight.shape) for name in names})
     if layout == "auto":
-        timings = measured_timings(shapes, cache_file, blas)
-        chosen = {s: "transposed" if timings[s].prefers_transposed() else "native" for s in shapes}
+        measured = [s for s in shapes if _shape_bytes(s) >= MIN_MEASURED_BYTES]
+        timings = measured_timings(measured, cache_file, blas) if measured else {}
+        chosen = {
+            s: "transposed" if s in timings and timings[s].prefers_transposed() else "native" for s in shapes
+        }
     else:
         chosen = dict.fromkeys(shapes, layout)
     for name in names:
@@ -97,6 +103,11 @@ def _swappable(module: nn.Module) -> bool:
 
 def _shape_key(shape: tuple[int, ...]) -> str:
     return f"{shape[0]}x{shape[1]}"
+
+
+def _shape_bytes(key: str) -> int:
+    out_features, in_features = map(int, key.split("x"))
+    return 4 * out_features * in_features  # float32
 
 
 def _module_at(model: nn.Module, name: str) -> nn.Module:
