@@ -2,11 +2,13 @@
 requests whose bodies stall, while a prober checks that /health and a short chat still answer.
 
     python -m benchmarks.connection_attack [--mode serve|uvicorn|both] [--idle 15000] [--stalled 1100]
-                                           [--seconds 40] [--model DIR]
+                                           [--big-stalled 17] [--seconds 40] [--model DIR]
 
 The server runs as `minivllm serve` or as `uvicorn server.app:app` (same settings) on a tiny random model
-unless --model. An attacker process opens --idle connections that send nothing and --stalled ones that send
-POST headers announcing a 1,000-byte body and then 10 bytes of it, and holds them for --seconds; meanwhile
+unless --model. An attacker process opens --idle connections that send nothing, --stalled ones that send
+POST headers announcing a 1,000-byte body and then 10 bytes of it, and --big-stalled ones that send all but
+the last byte of a 4 MiB body (16 of them hold the 64 MiB budget of bodies in flight), and holds them
+for --seconds; meanwhile
 the prober asks GET /health every 0.25 s and a 2-token chat every second (5 s timeout each). Printed per
 mode: the probes' latency (p50, p99, max) and failures during the attack, the server's most open file
 descriptors, the seconds from the attack's end until /health and the chat both answer within 1 s, and
@@ -48,19 +50,19 @@ STALLED_HEAD = (
 )
 
 
-def attack(port: int, idle: int, stalled: int, seconds: float, ready) -> None:
+def attack(port: int, idle: int, stalled: int, big: int, seconds: float, ready) -> None:
     """The attacker (its own process): open the connections as fast as it can, hundreds at a time, hold
     them until --seconds are up, then close them all."""
-    asyncio.run(_attack(port, idle, stalled, seconds))
+    asyncio.run(_attack(port, idle, stalled, big, seconds))
     ready.set()
 
 
-async def _attack(port: int, idle: int, stalled: int, seconds: float) -> None:
+async def _attack(port: int, idle: int, stalled: int, big: int, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     held: list[asyncio.StreamWriter] = []
     in_flight = asyncio.Semaphore(CONNECTS_IN_FLIGHT)
 
-    async def connect(stall: bool) -> None:
+    async def connect(head: bytes) -> None:
         async with in_flight:
             if time.monotonic() > deadline:
                 return
@@ -68,14 +70,28 @@ async def _attack(port: int, idle: int, stalled: int, seconds: float) -> None:
                 _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
             except (OSError, asyncio.TimeoutError):
                 return  # refused, timed out, or out of descriptors: the attack goes on
-            if stall:
-                writer.write(STALLED_HEAD)
+            writer.write(head)
             held.append(writer)
 
-    await asyncio.gather(*(connect(i >= idle) for i in range(idle + stalled)))
+    for _ in range(big):  # one after the other, each sent before the next: together they fill the budget
+        await connect(BIG_STALLED_HEAD)
+        if held:
+            await held[-1].drain()
+    await asyncio.gather(*(connect(head) for head in [b""] * idle + [STALLED_HEAD] * stalled))
     await asyncio.sleep(max(0.0, deadline - time.monotonic()))
     for writer in held:
         writer.transport.abort()
+
+
+BIG_BODY = 4 << 20  # MINIVLLM_MAX_REQUEST_BYTES's default: the largest body a request may have
+BIG_STALLED_HEAD = (
+    (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {BIG_BODY}\r\n\r\n"
+    ).encode()
+    + b'{"model": "'
+    + b"x" * (BIG_BODY - 12)  # all but its last byte
+)
 
 
 def open_fds(pid: int) -> int:
@@ -161,7 +177,9 @@ def run_mode(mode: str, model: Path, args) -> dict:
         served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         ready = multiprocessing.Event()
         attacker = multiprocessing.Process(
-            target=attack, args=(port, args.idle, args.stalled, args.seconds, ready), daemon=True
+            target=attack,
+            args=(port, args.idle, args.stalled, args.big_stalled, args.seconds, ready),
+            daemon=True,
         )
         attacker.start()
         probes = asyncio.run(probe_until(url, served, server.pid, lambda: not attacker.is_alive()))
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mode", choices=["serve", "uvicorn", "both"], default="both")
     p.add_argument("--idle", type=int, default=15_000)
     p.add_argument("--stalled", type=int, default=1_100)
+    p.add_argument(
+        "--big-stalled", type=int, default=17, help="connections stalling a byte short of a 4 MiB body"
+    )
     p.add_argument("--seconds", type=float, default=40.0)
     p.add_argument("--model", type=Path, help="model dir (default: a tiny random model)")
     p.add_argument("--out", type=Path, default=results.RESULTS_DIR, help="directory for the results")
@@ -224,9 +245,16 @@ def main(argv: list[str] | None = None) -> None:
             args.model = make_tiny_model(Path(tmp) / "tiny")
         modes = ["serve", "uvicorn"] if args.mode == "both" else [args.mode]
         rows = [run_mode(mode, args.model, args) for mode in modes]
-        meta = metadata(args.model, idle=args.idle, stalled=args.stalled, seconds=args.seconds)
+        meta = metadata(
+            args.model,
+            idle=args.idle,
+            stalled=args.stalled,
+            big_stalled=args.big_stalled,
+            seconds=args.seconds,
+        )
     notes = (
-        f"{args.idle} idle and {args.stalled} stalled connections for {args.seconds:g} s against the default "
+        f"{args.idle} idle, {args.stalled} stalled and {args.big_stalled} stalled a byte short of a 4 MiB "
+        f"body for {args.seconds:g} s against the default "
         f"MINIVLLM_MAX_CONNECTIONS (1000); SIGTERM with MINIVLLM_SHUTDOWN_TIMEOUT={SHUTDOWN_TIMEOUT_S:g}."
     )
     paths = results.write_results(

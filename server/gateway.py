@@ -4,13 +4,17 @@ by endpoint and status. Its errors take the shape of the route's protocol (serve
 
 Plain ASGI (not BaseHTTPMiddleware), so streaming and disconnect detection pass through untouched. The size
 limit holds before anything parses the body: a Content-Length over it is answered at once without reading,
-and a chunked body is counted as it arrives and refused the moment it passes the limit.
+and a chunked body is counted as it arrives and refused the moment it passes the limit. The bytes of all
+bodies in flight are bounded too; bodies still arriving give way to a new one (the one whose last piece
+came longest ago first), so clients that stall half-way through large bodies cannot lock out the others.
 """
 
 import asyncio
 import hashlib
 import hmac
 import ipaddress
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from starlette.exceptions import HTTPException
 
@@ -60,36 +64,77 @@ class BodyStalled(HTTPException):
         super().__init__(408, message, headers={"Connection": "close"})
 
 
+class BodyDropped(HTTPException):
+    """The body, still arriving, was let go to make room for another request's (the one whose last piece
+    came longest ago goes first): bodies that stall cannot hold MINIVLLM_MAX_INFLIGHT_BODY_BYTES."""
+
+    def __init__(self, budget: int):
+        message = (
+            f"the request body was still arriving when other requests needed its room in the {budget} bytes "
+            "of bodies in flight (MINIVLLM_MAX_INFLIGHT_BODY_BYTES); retry"
+        )
+        super().__init__(408, message, headers={"Connection": "close", "Retry-After": "1"})
+
+
+@dataclass(eq=False)
+class _Body:
+    """A request's body as the gateway counts it: the bytes it holds and, while it is still arriving, the
+    event that stops it."""
+
+    held: int = 0
+    arriving: bool = True
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class GatewayMiddleware:
     def __init__(self, app, metrics: Metrics):
         self.app = app
         self.metrics = metrics
         self.body_bytes = 0  # bytes of the bodies of the requests in flight (each parsed body lives as long)
+        # the bodies still arriving, the one whose last piece came longest ago first
+        self.arriving: OrderedDict[_Body, None] = OrderedDict()
 
-    def _limited(self, receive, limit: int, budget: int, held: list[int], timeout: float):
+    def _make_room(self, needed: int, budget: int, keep: _Body | None = None) -> bool:
+        """Whether `needed` more bytes fit the budget, after stopping bodies still arriving (but `keep`),
+        the one whose last piece came longest ago first. A stopped body's bytes count as gone at once:
+        its request ends with BodyDropped."""
+        while self.body_bytes + needed > budget:
+            victim = next((b for b in self.arriving if b is not keep), None)
+            if victim is None:
+                return False
+            self._let_go(victim)
+            victim.stopped.set()
+        return True
+
+    def _let_go(self, body: _Body) -> None:
+        self.arriving.pop(body, None)
+        self.body_bytes -= body.held
+        body.held = 0
+
+    def _limited(self, receive, body: _Body, limit: int, budget: int, timeout: float):
         """receive(), counting body bytes: past `limit` for this request it raises RequestTooLarge, past
-        `budget` for all requests in flight TooManyBodies, instead of returning them; while the body is
-        incomplete, a wait past `timeout` for its next piece raises BodyStalled. (Once it is whole, receive
+        `budget` for all requests in flight (once bodies still arriving have given way) TooManyBodies,
+        instead of returning them; while the body is incomplete, a wait past `timeout` for its next piece
+        raises BodyStalled, and a stop for another request's room BodyDropped. (Once it is whole, receive
         waits for the client's disconnect, for as long as a stream runs: no timeout then.)"""
-        body_done = False
 
         async def receive_limited():
-            nonlocal body_done
-            if body_done:
+            if not body.arriving:
                 return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), timeout)
-            except asyncio.TimeoutError:
-                raise BodyStalled(timeout) from None
-            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            message = await _next_piece(receive, body, timeout, budget)
+            body.arriving = message["type"] == "http.request" and message.get("more_body", False)
             if message["type"] == "http.request":
                 n = len(message.get("body", b""))
-                held[0] += n
+                body.held += n
                 self.body_bytes += n
-                if held[0] > limit:
+                if body.held > limit:
                     raise RequestTooLarge(limit)
-                if self.body_bytes > budget:
+                if not self._make_room(0, budget, keep=body):
                     raise TooManyBodies(budget)
+            if body.arriving:
+                self.arriving.move_to_end(body)  # its last piece came now
+            else:
+                self.arriving.pop(body, None)
             return message
 
         return receive_limited
@@ -99,7 +144,7 @@ class GatewayMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         status = 500  # if nothing gets sent
-        held = [0]  # this request's body bytes counted in self.body_bytes
+        body = _Body()  # this request's body bytes, counted in self.body_bytes
 
         async def send_observed(message):
             nonlocal status
@@ -133,19 +178,37 @@ class GatewayMiddleware:
             refusal = None
             if declared is not None and declared > limit:
                 refusal = RequestTooLarge(limit)
-            elif declared and self.body_bytes + declared > budget:
+            elif declared and not self._make_room(declared, budget):
                 refusal = TooManyBodies(budget)
             if refusal is not None:
                 response = error_response(
                     refusal.status_code, refusal.detail, path=path, headers=refusal.headers
                 )
                 return await response(scope, receive, send_observed)
-            receive = self._limited(receive, limit, budget, held, state.settings.body_timeout)
+            self.arriving[body] = None
+            receive = self._limited(receive, body, limit, budget, state.settings.body_timeout)
             await self.app(scope, receive, send_observed)
         finally:
-            self.body_bytes -= held[0]
+            self._let_go(body)
             endpoint = path if path in ENDPOINTS else "other"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+
+async def _next_piece(receive, body: _Body, timeout: float, budget: int) -> dict:
+    """The next ASGI message, unless the body stalls for `timeout` (BodyStalled) or is stopped to make
+    room for another (BodyDropped) first."""
+    piece, stop = asyncio.ensure_future(receive()), asyncio.ensure_future(body.stopped.wait())
+    try:
+        done, _ = await asyncio.wait((piece, stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not piece.done():
+            piece.cancel()
+    if piece in done:
+        return piece.result()
+    if body.stopped.is_set():
+        raise BodyDropped(budget)
+    raise BodyStalled(timeout)
 
 
 def _request_key(scope, state) -> str | None:

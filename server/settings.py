@@ -253,7 +253,8 @@ OPTIONS: tuple[Option, ...] = (
         int,
         _parse_bytes,
         16 * DEFAULT_MAX_REQUEST_BYTES,
-        "bytes of request bodies in flight at once, K/M/G suffixes allowed; past it requests get HTTP 429",
+        "bytes of request bodies in flight at once, K/M/G suffixes allowed; past it bodies still arriving give way "
+        "(HTTP 408, the one whose last piece came longest ago first), then new requests get HTTP 429",
     ),
     Option(
         "max_output_tokens",

@@ -1055,6 +1055,14 @@ MUTATIONS = [
         ("tests/test_cpu_layout.py", "-k", "small_matrices"),
     ),
     Mutation(
+        "stalled-bodies-hold-the-budget",
+        "bodies still arriving never give way: stalled large bodies hold every other POST at 429",
+        "server/gateway.py",
+        "            victim = next((b for b in self.arriving if b is not keep), None)",
+        "            victim = None",
+        ("tests/test_hardening.py", "-k", "gives_way"),
+    ),
+    Mutation(
         "slow-blas-silent",
         "a machine without OpenBLAS is not told it runs ~60x slower",
         "server/app.py",

@@ -297,7 +297,18 @@ def test_connection_attack_probes_both_servers_through_an_attack(tiny_model_dir,
     """benchmarks.connection_attack, small: both servers answer every probe and exit on SIGTERM."""
     from benchmarks import connection_attack
 
-    args = ["--idle", "60", "--stalled", "20", "--seconds", "2", "--model", str(tiny_model_dir)]
+    args = [
+        "--idle",
+        "60",
+        "--stalled",
+        "20",
+        "--big-stalled",
+        "2",
+        "--seconds",
+        "2",
+        "--model",
+        str(tiny_model_dir),
+    ]
     connection_attack.main([*args, "--out", str(tmp_path), "--allow-dirty"])
     (path,) = tmp_path.glob("connection_attack*.json")
     rows = json.loads(path.read_text())["rows"]

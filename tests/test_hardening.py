@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -632,9 +633,10 @@ def test_sigterm_exits_whatever_a_client_holds_open(tiny_model_dir, command):
             assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
 
 
-def test_the_bytes_of_bodies_in_flight_are_bounded(tiny_model_dir):
-    """A body half sent holds its bytes: a second that would pass the budget gets 429 with Retry-After,
-    and once the first is gone the second goes through."""
+def test_a_body_that_stalls_gives_way_to_a_new_one(tiny_model_dir):
+    """A body half sent holds its bytes; a second that would pass the budget takes their room: the stalled
+    one is answered 408 and closed, the second is served (stalled bodies once held the budget, and every
+    POST got 429 until they went)."""
     with ServerThread(tiny_settings(tiny_model_dir, max_inflight_body_bytes=3000)) as s:
         body = json.dumps({"model": MODEL, "prompt": "x" * 1900, "max_tokens": 1}).encode()
         with socket.create_connection(("127.0.0.1", s.port)) as slow:
@@ -645,12 +647,30 @@ def test_the_bytes_of_bodies_in_flight_are_bounded(tiny_model_dir):
                 assert time.monotonic() < deadline, "the first body never arrived"
                 time.sleep(0.01)
             r = httpx.post(s.url + COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 200
+            answer = slow.recv(65536).decode()
+            assert answer.startswith("HTTP/1.1 408") and "MINIVLLM_MAX_INFLIGHT_BODY_BYTES" in answer
+
+
+def test_the_bytes_of_bodies_being_served_are_bounded(tiny_model_dir, monkeypatch):
+    """Bodies whole and being served keep their bytes: a second that would pass the budget gets 429 with
+    Retry-After, and once the first is answered the second goes through."""
+    with ServerThread(tiny_settings(tiny_model_dir, max_inflight_body_bytes=3000)) as s:
+        released, step = threading.Event(), s.engine.step
+        monkeypatch.setattr(s.engine, "step", lambda: released.wait(60) and step())
+        body = json.dumps({"model": MODEL, "prompt": "x" * 1900, "max_tokens": 1}).encode()
+        headers = {"Content-Type": "application/json"}
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, s.url + COMPLETIONS, content=body, headers=headers, timeout=120)
+            deadline = time.monotonic() + 30
+            while _gateway(s).body_bytes < len(body) or _gateway(s).arriving:
+                assert time.monotonic() < deadline, "the first body never arrived whole"
+                time.sleep(0.01)
+            r = httpx.post(s.url + COMPLETIONS, content=body, headers=headers)
             assert assert_error(r, 429) and r.headers["Retry-After"] == "1"
-        deadline = time.monotonic() + 30
-        while _gateway(s).body_bytes:  # the first connection is closed: its bytes come back
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        r = httpx.post(s.url + COMPLETIONS, content=body, headers={"Content-Type": "application/json"})
+            released.set()
+            assert first.result().status_code == 200
+        r = httpx.post(s.url + COMPLETIONS, content=body, headers=headers)
         assert r.status_code == 200
 
 
