@@ -40,6 +40,7 @@ import httpx
 from benchmarks.harness import results
 from benchmarks.harness.results import metadata
 from benchmarks.harness.servers import free_port
+from server.launch import wait_healthy
 
 PROBE_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -168,12 +169,7 @@ def run_mode(mode: str, model: Path, args) -> dict:
     log = open(Path(tempfile.gettempdir()) / f"connection_attack-{mode}-{port}.log", "w")
     server = subprocess.Popen(server_command(mode, port), env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(url, server)  # fails, naming the exit status, if the server dies while loading
         served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         ready = multiprocessing.Event()
         attacker = multiprocessing.Process(

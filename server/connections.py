@@ -46,16 +46,16 @@ def uvicorn_config(app, settings: Settings, **kw) -> uvicorn.Config:
     )
 
 
-def guard_running_server(settings: Settings) -> bool:
+def guard_running_server(settings: Settings) -> None:
     """Under `uvicorn server.app:app` (called from the app's lifespan, before uvicorn listens): give the
     uvicorn server running the app the same connection guard and shutdown limit as `minivllm serve`. The
-    server is found by the signal handler it installed (uvicorn does, on the main thread). True if one was
-    found and guarded now."""
+    server is found by the signal handler it installed (uvicorn does, on the main thread); one that
+    `minivllm serve` built is guarded already."""
     server = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     if not isinstance(server, uvicorn.Server) or issubclass(
         server.config.http_protocol_class, GuardedH11Protocol
     ):
-        return False
+        return
     config = server.config
     config.http_protocol_class = guarded_protocol(settings.max_connections, settings.header_timeout)
     config.timeout_keep_alive = settings.keepalive_timeout
@@ -66,7 +66,6 @@ def guard_running_server(settings: Settings) -> bool:
         settings.max_connections,
         settings.header_timeout,
     )
-    return True
 
 
 def guarded_protocol(max_connections: int, header_timeout: float) -> type[H11Protocol]:
