@@ -20,6 +20,10 @@ On the CPU backend, a large prefill block's softmax goes through numpy (kernels.
 exp is one element at a time), and other attention with many scores is split by KV heads over one MLX
 stream per core (MLX runs a CPU stream's element-wise ops on one thread).
 
+On the CPU backend, where the engine loaded the compiled kernel (kernels.cpu_attention, the default), a
+sequence's attention with many scores (long contexts) goes there instead, in one call per layer: the
+MLX-ops path below stays the reference it is tested against, and the path of every other backend.
+
 The layout (runs, positions, slots) is built once per step on the host, in O(pages + new tokens), and
 shared by all layers. A fused Metal/CUDA kernel could replace `paged_attention` behind the same
 signature; none is verified on a GPU yet, so this is the only implementation.
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
+from kernels import cpu_attention
 from kernels.activations import on_numpy, softmax_numpy
 
 BLOCK = 128  # prefill queries per causal block
@@ -53,6 +58,7 @@ class AttentionLayout:
     page_size: int
     positions: mx.array  # [T] position of each flat token in its sequence (its rope offset)
     slot_mapping: mx.array  # [T] pool slot of each new token
+    cpu_kernel: bool = False  # attention with many scores in kernels.cpu_attention (the engine loaded it)
     # what the model derives from the layout once per step for every layer (rope's cos and sin, the K/V
     # writes' slot index)
     shared: dict = field(default_factory=dict)
@@ -74,7 +80,9 @@ class AttentionLayout:
             replace(self.seqs[i], start=self.seqs[i].start + self.seqs[i].num_new - c, num_new=c)
             for i, c in zip(seq_indices, counts)
         ]
-        layout = AttentionLayout(seqs, self.page_size, self.positions[rows], self.slot_mapping[rows])
+        layout = AttentionLayout(
+            seqs, self.page_size, self.positions[rows], self.slot_mapping[rows], self.cpu_kernel
+        )
         return QueryRows(rows, layout)
 
     def slot_index(self, heads: int, head_dim: int) -> mx.array:
@@ -113,9 +121,14 @@ def _run_firsts(pages: list[int], needed: int) -> list[int]:
 
 
 def build_layout(
-    page_tables: list[list[int]], starts: list[int], num_new: list[int], page_size: int
+    page_tables: list[list[int]],
+    starts: list[int],
+    num_new: list[int],
+    page_size: int,
+    cpu_kernel: bool = False,
 ) -> AttentionLayout:
-    """starts[b]: tokens of sequence b already in the pool; num_new[b]: tokens it computes this step."""
+    """starts[b]: tokens of sequence b already in the pool; num_new[b]: tokens it computes this step;
+    cpu_kernel: attention with many scores goes to kernels.cpu_attention."""
     seqs, positions, slots = [], [], []
     for table, start, n in zip(page_tables, starts, num_new):
         length = start + n
@@ -131,6 +144,7 @@ def build_layout(
         page_size=page_size,
         positions=mx.array(positions, dtype=mx.int32),
         slot_mapping=mx.array(slots, dtype=mx.int32),
+        cpu_kernel=cpu_kernel,
     )
 
 
@@ -164,6 +178,9 @@ def paged_attention(
     for seq in layout.seqs:
         q = queries[t : t + seq.num_new]
         t += seq.num_new
+        if layout.cpu_kernel and cpu_attention.fits(q, seq.start + seq.num_new):
+            outs.append(cpu_attention.attention(q, k_pool, v_pool, seq.start, seq.runs, scale, window))
+            continue
         keys, values, runs = _context(k_pool, v_pool, seq, layout.page_size)
         for r0 in range(0, seq.num_new, BLOCK):
             r1 = min(seq.num_new, r0 + BLOCK)

@@ -50,6 +50,7 @@ PUBLICATION_MODES = tuple(m.value for m in Publication)
 SINGLE_FLIGHT_MODES = tuple(m.value for m in SingleFlight)
 SPECULATIVE_MODES = tuple(m.value for m in Speculative)
 CPU_WEIGHT_LAYOUTS = ("auto", "transposed", "native")  # minivllm.models.cpu_layout.LAYOUTS
+CPU_ATTENTION_MODES = ("compiled", "mlx")  # kernels.cpu_attention, or MLX ops only
 
 
 @dataclass
@@ -72,6 +73,9 @@ class EngineConfig:
     # CPU backend: float32 weight matrices as nn.Linear keeps them ([out, in]), transposed ([in, out]), or
     # each shape in the layout measured faster on this machine (minivllm.models.cpu_layout)
     cpu_weight_layout: str = "auto"
+    # CPU backend: attention with many scores (long contexts) in kernels/cpu_attention.cpp, built on this
+    # machine at load ("compiled"; MLX ops where it cannot be built), or always with MLX ops ("mlx")
+    cpu_attention: str = "compiled"
     # speculative decoding: "ngram" drafts tokens by prompt lookup (minivllm.engine.ngram_draft) and
     # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
     speculative: Speculative = Speculative.OFF
@@ -102,6 +106,9 @@ class EngineConfig:
         _check(
             self.cpu_weight_layout in CPU_WEIGHT_LAYOUTS,
             f"cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}",
+        )
+        _check(
+            self.cpu_attention in CPU_ATTENTION_MODES, f"cpu_attention must be one of {CPU_ATTENTION_MODES}"
         )
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
         _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")

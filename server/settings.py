@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 
 from minivllm.config import (
+    CPU_ATTENTION_MODES,
     CPU_WEIGHT_LAYOUTS,
     EVICTION_POLICIES,
     PUBLICATION_MODES,
@@ -208,6 +209,14 @@ OPTIONS: tuple[Option, ...] = (
         str,
         _choice(CPU_WEIGHT_LAYOUTS),
         "CPU backend: float32 weight matrices transposed, native (as nn.Linear), or auto (each shape as measured faster)",
+    ),
+    _engine(
+        "cpu_attention",
+        "MINIVLLM_CPU_ATTENTION",
+        str,
+        _choice(CPU_ATTENTION_MODES),
+        "CPU backend: long-context attention in a C++ kernel built on this machine at start-up (compiled; MLX "
+        "ops where no compiler or OpenBLAS is found), or MLX ops only (mlx)",
     ),
     _engine(
         "speculative",

@@ -1,6 +1,7 @@
 """Paged attention against a dense float64 reference, for every way a context can lie in the pool:
 one run of pages (views), a few runs (scores joined before the softmax), many runs (pages gathered),
-decode tokens and prefill chunks longer than one causal block, in one flat batch."""
+decode tokens and prefill chunks longer than one causal block, in one flat batch; with MLX ops and with
+the CPU backend's compiled kernel (kernels.cpu_attention)."""
 
 import random
 import sys
@@ -9,8 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import activations
+from kernels import activations, cpu_attention
 from kernels import paged_attention as pa
+from minivllm.models.backend import OPENBLAS_PATH
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 8, 4
 NUM_PAGES = 400
@@ -41,12 +43,25 @@ def reference(queries, k_pool, v_pool, tables, starts, num_new, scale, window=No
     return np.concatenate(out)
 
 
-def run(tables, starts, num_new, seed=0, window=None):
+@pytest.fixture(params=["loops", "blas"])
+def compiled(request, tmp_path_factory, monkeypatch):
+    """The CPU attention kernel, built here and taken for every attention (not only long contexts), its
+    products as plain loops (as for decode tokens) or with BLAS (as for prefill blocks)."""
+    assert cpu_attention.load(OPENBLAS_PATH, tmp_path_factory.getbasetemp() / "kernels")
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(cpu_attention, "FEW_ROWS", 1 << 30 if request.param == "loops" else 0)
+    monkeypatch.setattr(cpu_attention, "BLOCK", 16)  # several causal blocks in the short chunks here
+    calls, attention = [], cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a[3]) or attention(*a))
+    return calls  # each call's start
+
+
+def run(tables, starts, num_new, seed=0, window=None, cpu_kernel=False):
     rng = np.random.default_rng(seed)
     k_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
     v_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
     queries = mx.array(rng.standard_normal((sum(num_new), HEADS, HEAD_DIM)).astype(np.float32))
-    layout = pa.build_layout(tables, starts, num_new, PAGE)
+    layout = pa.build_layout(tables, starts, num_new, PAGE, cpu_kernel)
     out = pa.paged_attention(queries, k_pool, v_pool, layout, HEAD_DIM**-0.5, window)
     expected = reference(queries, k_pool, v_pool, tables, starts, num_new, HEAD_DIM**-0.5, window)
     return np.asarray(out), expected, layout
@@ -100,6 +115,31 @@ def test_matches_dense_attention(tables, starts, num_new, split, softmax, window
     monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
     monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0 if softmax == "numpy" else 1 << 62)
     out, expected, layout = run(tables, starts, num_new, window=window)
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "tables, starts, num_new",
+    [
+        ([contiguous(10, 80)], [0], [300]),  # a prefill chunk of many causal blocks, one run
+        ([contiguous(10, 80)], [250], [60]),  # a later chunk, its first block a partial one
+        ([contiguous(10, 80)], [317], [1]),  # decode
+        (  # decode and prefill together, each context in a few runs, a chunk's keys across runs
+            [[5, 6, 7, 30, 31, 2] + contiguous(100, 30), [50, 51, 52, 8, 9, 200], contiguous(300, 3)],
+            [100, 17, 0],
+            [1, 5, 9],
+        ),
+        ([contiguous(1, 40)[::-1]], [120], [35]),  # every page its own run (read in place, not gathered)
+        ([list(range(0, 160, 2))], [317], [1]),  # decode over 80 one-page runs
+    ],
+)
+@pytest.mark.parametrize("window", [None, 37, 3])
+def test_compiled_kernel_matches_dense_attention(tables, starts, num_new, window, compiled):
+    # window 37: starts mid-page and mid-run; 3: shorter than a causal block, so the block's first
+    # rows see keys its last rows do not
+    out, expected, layout = run(tables, starts, num_new, window=window, cpu_kernel=True)
+    assert compiled == starts  # every sequence went to the kernel
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
 
@@ -196,3 +236,17 @@ def test_as_many_kv_heads_as_query_heads_matches_dense_attention(softmax, monkey
     out, expected, layout = run(tables, [100, 17, 0], [1, 5, 150])
     assert [len(s.runs) for s in layout.seqs] == [4, 3, 1]
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_compiler_the_kernel_is_not_loaded_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert not cpu_attention.load(OPENBLAS_PATH, tmp_path)
+    assert not cpu_attention.loaded() and "no C++ compiler" in caplog.text
+    # a compiler that fails: not loaded either, the compiler's message logged
+    broken = tmp_path / "broken-compiler"
+    broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    assert not cpu_attention.load(OPENBLAS_PATH, tmp_path / "build")
+    assert "internal error" in caplog.text and not list((tmp_path / "build").glob("*.so"))

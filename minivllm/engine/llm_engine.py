@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llguidance import LLMatcher
 
+from kernels import cpu_attention
 from minivllm.cache.disk_tier import DiskTier, DiskTierBusy, default_capacity
 from minivllm.cache.hash_stream import HashStream
 from minivllm.cache.hints import CacheHints
@@ -27,9 +28,9 @@ from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.token_gaps import TokenGaps
 from minivllm.engine.validation import RequestError, check_request
-from minivllm.models.backend import detect_backend
+from minivllm.models.backend import OPENBLAS_PATH, detect_backend
 from minivllm.models.identity import model_digest
-from minivllm.models.loader import activation_dtype, load_model, module_arrays
+from minivllm.models.loader import activation_dtype, cache_dir, load_model, module_arrays
 from minivllm.outputs import EngineStats, FinishReason, QueueFull, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class LLMEngine:
         # what the cache advice replays (minivllm.shadow): each request's page hashes, no tokens
         self.hash_stream = HashStream(config.shadow_requests) if config.shadow_requests else None
         self.mask_counters = MaskCounters()
-        self.runner = ModelRunner(self.model, geometry, num_pages, config.page_size, self.mask_counters)
+        self.runner = ModelRunner(
+            self.model, geometry, num_pages, config.page_size, self.mask_counters, self._cpu_kernel()
+        )
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
             config, self.kv, self.eos_token_ids, self.max_model_len, self.mask_counters
@@ -98,6 +101,13 @@ class LLMEngine:
         """On a GPU backend; on the CPU for models of at most OVERLAP_CPU_MAX_WEIGHT_BYTES."""
         weights = sum(x.nbytes for x in module_arrays(self.model))
         return self.backend.is_gpu or weights <= OVERLAP_CPU_MAX_WEIGHT_BYTES
+
+    def _cpu_kernel(self) -> bool:
+        """Whether long-context attention runs in kernels.cpu_attention: on the CPU backend, unless
+        cpu_attention is "mlx", where the kernel can be built and loaded (it is, once per machine)."""
+        if self.backend.is_gpu or self.config.cpu_attention != "compiled":
+            return False
+        return cpu_attention.load(OPENBLAS_PATH, cache_dir() / "kernels")
 
     def _num_pages(self, geometry: KVGeometry) -> int:
         budget = self.config.kv_cache_bytes or default_kv_cache_bytes(self.config.kv_cache_fraction)

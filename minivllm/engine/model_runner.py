@@ -82,8 +82,10 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         mask_counters: MaskCounters,
+        cpu_kernel: bool = False,
     ):
         self.model = model
+        self.cpu_kernel = cpu_kernel  # long-context attention in kernels.cpu_attention (loaded by the engine)
         self.page_size = page_size
         self.geometry = geometry
         self.num_slots = num_pages * page_size
@@ -177,7 +179,8 @@ class ModelRunner:
             inputs = after.tokens if same else after.tokens[mx.array(rows)]
             # `after` computes every token each seq has (Scheduler.schedule_ahead): the new one goes next
             computed, ahead = [len(s.token_ids) for s in seqs], 1
-        layout = build_layout([s.cache.page_table for s in seqs], computed, num_tokens, self.page_size)
+        tables = [s.cache.page_table for s in seqs]
+        layout = build_layout(tables, computed, num_tokens, self.page_size, self.cpu_kernel)
         # only sequences whose chunk reaches their last token (and draft) produce new tokens this step
         sampling = [
             i
