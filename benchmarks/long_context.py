@@ -1,9 +1,15 @@
 """Long contexts: decode tok/s at batch 1 and 8 with 1k, 4k and 16k tokens of context, and prefill tok/s of
-512-, 4k- and 16k-token prompts; minivllm against mlx-lm, and optionally against another minivllm checkout.
+512-, 4k- and 16k-token prompts; minivllm against mlx-lm and the hardware's limits, and optionally against
+another minivllm checkout or itself with the CPU backend's attention on MLX ops.
 
     python -m benchmarks.long_context [--model DIR] [--runs 3] [--quick] [--baseline COMMIT_OR_DIR]
         [--contexts 1024,16384] [--prefill 512] [--batch 1]  (a subset: its own file, long_context-b1)
         [--tag prefill]  (appended to the file name: long_context-b1-prefill)
+        [--mlx-attention]  (adds minivllm with MINIVLLM_CPU_ATTENTION=mlx: the compiled kernel off)
+        [--peer-max-context 16384]  (mlx-lm and the MLX-attention engine only up to this context)
+
+The limits (benchmarks/harness/limits.py) are measured in the same run: the float32 matmul rate over a
+prefill's FLOPs, one batch-1 pass over the weight matrices plus the context's K/V for a decode step.
 
 All engines live in this process and share one copy of the weights (float32 on the CPU backend, as both
 engines run them there), and every measurement is taken for each engine in turn before the next one, so
@@ -22,7 +28,9 @@ mlx-lm's batch-1 decode is its own `generate_step`; its batch 8 is its model and
 the same pipelined loop (`mx.async_eval` of step n+1 before step n's tokens are read).
 
 Repetitions: every measurement `--runs` times except the largest prefill (once per engine: it takes
-minutes on a CPU).
+minutes on a CPU). With `--peer-max-context` below the largest context, every engine first prefills the
+context's first that many tokens, and the uncapped engines then the rest of it (restoring the first part
+from the prefix cache): the row "prefill A..B" is the rate of positions A to B.
 """
 
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
@@ -37,6 +45,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from unittest import mock
 
@@ -45,6 +54,7 @@ from tqdm import tqdm
 
 from benchmarks.harness.checkouts import checkout
 from benchmarks.harness.engine_timing import decode_rate
+from benchmarks.harness.limits import Limits, measure_limits
 from benchmarks.harness.prompts import filler_text, load_tokenizer
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
@@ -56,12 +66,17 @@ SIZES = {  # (contexts, prefill prompts, decode tokens, batch sizes)
     "quick": ([128, 512], [64, 256], 8, [1, 8]),
 }
 PACKAGES = ("minivllm", "kernels")  # what a checkout's engine is made of
+MLX_ATTENTION = "minivllm, MLX attention"  # this checkout with MINIVLLM_CPU_ATTENTION=mlx
 
 
 # -- minivllm, this checkout's or another's -------------------------------------------------------------
 class Minivllm:
-    def __init__(self, packages: dict, loaded: tuple, model_dir: str, plan: dict):
-        """packages: the checkout's modules by name; loaded: (model, tokenizer, config) to run."""
+    def __init__(
+        self, packages: dict, loaded: tuple, model_dir: str, plan: dict, max_context=None, **settings
+    ):
+        """packages: the checkout's modules by name; loaded: (model, tokenizer, config) to run; settings:
+        more of its engine settings; max_context: measured at contexts up to this only."""
+        self.max_context = max_context
         self.SamplingParams = packages["minivllm"].SamplingParams
         engine_module = packages["minivllm.engine.llm_engine"]
         with mock.patch.object(engine_module, "load_model", lambda *args, **kw: loaded):
@@ -72,13 +87,15 @@ class Minivllm:
                 kv_cache_bytes=plan["kv_cache_mib"] << 20,
                 eviction="lru",
                 single_flight="off",
+                **settings,
             )
         self.n = plan["n"]
 
-    def prefill(self, prompt: list[int]) -> float:
+    def prefill(self, prompt: list[int], cached: int = 0) -> float:
+        """tok/s of the prompt's tokens past the first `cached` (which its prefix cache holds)."""
         t = time.perf_counter()
         self.llm.generate([prompt], self.SamplingParams(max_tokens=1, ignore_eos=True))
-        return len(prompt) / (time.perf_counter() - t)
+        return (len(prompt) - cached) / (time.perf_counter() - t)
 
     def decode(self, prompt: list[int], batch: int) -> float:
         """Aggregate decode tok/s of `batch` requests of one prompt, once each has its first token."""
@@ -118,12 +135,14 @@ def import_checkout(root: Path) -> dict:
 
 # -- mlx-lm -------------------------------------------------------------------------------------------
 class MlxLm:
-    def __init__(self, model, n: int):
+    def __init__(self, model, n: int, max_context: int | None = None):
         self.model = model
         self.n = n
+        self.max_context = max_context
         self.context: list | None = None  # KV cache of the longest prompt prefilled so far
 
-    def prefill(self, prompt: list[int]) -> float:
+    def prefill(self, prompt: list[int], cached: int = 0) -> float:
+        assert cached == 0, "mlx-lm's prompt caches are not kept between prompts here"
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -180,22 +199,43 @@ class MlxLm:
 
 # -- the plan, the same for every engine ----------------------------------------------------------------
 def measure(plan: dict, engines: dict) -> dict[str, dict[str, list[float]]]:
-    """engines: name -> object with prefill(prompt) and decode(prompt, batch), both tok/s.
-    Each measurement is taken for every engine in turn (in reversed order every other run)."""
+    """engines: name -> object with prefill(prompt, cached) and decode(prompt, batch), both tok/s, and
+    max_context. Each measurement is taken for every engine in turn (in reversed order every other run)."""
     context = plan["context"]
-    steps = [("prefill", context, None, -1)]
+    # (kind, prompt, batch or the tokens cached before, run)
+    steps = [("prefill", context[:cap], 0, -1) for cap in _context_prefills(engines, len(context))]
     for run in range(plan["runs"]):
-        steps += [("prefill", p[run], None, run) for p in plan["prefill"]]
+        steps += [("prefill", p[run], 0, run) for p in plan["prefill"]]
         steps += [("decode", context[:n], b, run) for n in plan["contexts"] for b in plan["batch"]]
     rates: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
-    for kind, prompt, batch, run in tqdm(steps, desc="measurements", file=sys.stderr):
-        key = f"prefill {len(prompt)}" if kind == "prefill" else f"decode b{batch} ctx {len(prompt)}"
+    for kind, prompt, arg, run in tqdm(steps, desc="measurements", file=sys.stderr):
         for name in list(engines)[:: -1 if run % 2 else 1]:
             engine = engines[name]
-            rate = engine.prefill(prompt) if kind == "prefill" else engine.decode(prompt, batch)
+            if len(prompt) > (engine.max_context or len(prompt)):
+                continue
+            if kind == "prefill":
+                cached = _cached_before(engines, len(prompt)) if run < 0 else 0
+                key = f"prefill {cached}..{len(prompt)}" if cached else f"prefill {len(prompt)}"
+                rate = engine.prefill(prompt, cached)
+            else:
+                key, rate = f"decode b{arg} ctx {len(prompt)}", engine.decode(prompt, arg)
             rates[name].setdefault(key, []).append(rate)
             gc.collect()
     return rates
+
+
+def _context_prefills(engines: dict, length: int) -> list[int]:
+    """The lengths of the context's prefixes prefilled first: each engine's cap below the context's length
+    (in order), then the whole context."""
+    caps = {e.max_context for e in engines.values() if e.max_context and e.max_context < length}
+    return sorted(caps) + [length]
+
+
+def _cached_before(engines: dict, length: int) -> int:
+    """How much of a context prefix of `length` tokens an engine has cached by the time it prefills it:
+    the previous context prefill's length (0 for the first)."""
+    shorter = [c for c in _context_prefills(engines, 1 << 62) if c < length]
+    return max(shorter, default=0)
 
 
 def make_plan(args: argparse.Namespace, tokenizer) -> dict:
@@ -234,20 +274,33 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 # -- report ---------------------------------------------------------------------------------------------
-def rows_of(rates: dict[str, dict[str, list[float]]], baseline: str | None) -> list[dict]:
+def rows_of(rates: dict[str, dict[str, list[float]]], baseline: str | None, limits: Limits) -> list[dict]:
+    """A row per metric: each engine's mean ± sd (— where it was not measured), ratios, the limit."""
     rows = []
     ours = rates["minivllm"]
     for key in ours:
-        cells = {name: mean_sd(rates[name][key]) for name in rates}
+        cells = {name: mean_sd(rates[name][key]) for name in rates if key in rates[name]}
         m = cells["minivllm"][0]
         row = {"metric": f"{key} (tok/s)"}
+        row |= {name: "—" for name in rates}
         row |= {name: f"{mean:.2f} ± {sd:.2f}" for name, (mean, sd) in cells.items()}
-        if "mlx-lm" in cells:
-            row["minivllm / mlx-lm"] = f"{m / cells['mlx-lm'][0]:.2f}x"
-        if baseline:
-            row["minivllm / baseline"] = f"{m / cells[baseline][0]:.2f}x"
+        for other, label in (("mlx-lm", "mlx-lm"), (MLX_ATTENTION, "MLX attention"), (baseline, "baseline")):
+            if other in rates:
+                row[f"minivllm / {label}"] = f"{m / cells[other][0]:.2f}x" if other in cells else "—"
+        limit = _limit(key, limits)
+        row["limit"] = f"{limit:.2f}"
+        row["minivllm / limit"] = f"{m / limit:.2f}"
         rows.append(row)
     return rows
+
+
+def _limit(key: str, limits: Limits) -> float:
+    """The hardware's limit for a metric's name: "prefill N", "prefill A..B" or "decode bB ctx C"."""
+    kind, *rest = key.split()
+    if kind == "prefill":
+        first, _, last = rest[0].rpartition("..")
+        return limits.prefill(int(first or 0), int(last))
+    return limits.decode(int(rest[2]), int(rest[0][1:]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -258,6 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-tokens", type=int, help="decode tokens per measurement (default 32)")
     p.add_argument("--batch", help="decode batch sizes, comma-separated (default 1,8)")
     p.add_argument("--skip-mlx-lm", action="store_true", help="only minivllm (and the baseline)")
+    p.add_argument(
+        "--mlx-attention", action="store_true", help="also minivllm with MINIVLLM_CPU_ATTENTION=mlx"
+    )
+    p.add_argument(
+        "--peer-max-context", type=int, help="mlx-lm and the MLX-attention engine only up to this context"
+    )
     p.add_argument("--tag", help="suffix of the results' file name, so that a partial run keeps its own file")
     args = parse_args(p, argv)
     plan = make_plan(args, load_tokenizer(args.model))
@@ -269,10 +328,17 @@ def main(argv: list[str] | None = None) -> None:
             root, commit = stack.enter_context(checkout(args.baseline))
             baseline = f"baseline {commit}"
             engines[baseline] = Minivllm(import_checkout(root), loaded, str(args.model), plan)
+        cap = args.peer_max_context
+        if args.mlx_attention:
+            packages = this_checkout()
+            engines[MLX_ATTENTION] = Minivllm(
+                packages, loaded, str(args.model), plan, cap, cpu_attention="mlx"
+            )
         if not args.skip_mlx_lm:
-            engines["mlx-lm"] = MlxLm(loaded[0], plan["n"])
+            engines["mlx-lm"] = MlxLm(loaded[0], plan["n"], cap)
         for engine in engines.values():  # warm-up
             engine.prefill(plan["prefill"][0][0][:32])
+        limits = measure_limits(loaded[0], kv_bytes_per_token(args.model))
         rates = measure(plan, engines)
     meta = metadata(
         args.model,
@@ -283,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
         decode_tokens=plan["n"],
         kv_cache_mib=plan["kv_cache_mib"],
         baseline=baseline,
+        peer_max_context=cap,
+        limits=asdict(limits),
         openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS", "unset"),
     )
     notes = (
@@ -293,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     # a run of some batch sizes only gets its own file: it must not replace the full table
     name = result_name("long_context", args) + "".join(f"-b{b}" for b in plan["batch"] if args.batch)
     name += f"-{args.tag}" if args.tag else ""
-    paths = write_results(name, rows_of(rates, baseline), meta, raw=rates,
+    paths = write_results(name, rows_of(rates, baseline, limits), meta, raw=rates,
                           notes=notes, out_dir=args.out, allow_dirty=args.allow_dirty)  # fmt: skip
     print_report(paths)
 

@@ -149,6 +149,31 @@ def test_long_context_quick_compares_engines_in_one_process(tiny_model_dir, tmp_
     ]  # fmt: skip
     assert all(v > 0 for rates in data["raw"].values() for vs in rates.values() for v in vs)
     assert all(row["minivllm / baseline"].endswith("x") for row in data["rows"])
+    assert all(float(row["limit"]) > 0 for row in data["rows"])
+
+
+def test_long_context_peers_stop_at_their_context_cap(tiny_model_dir, tmp_path):
+    """--peer-max-context: mlx-lm and the MLX-attention engine prefill the context's first part only and
+    decode at the contexts within it; minivllm goes on to the whole context, its first part restored."""
+    from benchmarks import long_context
+
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--batch", "1"]
+    args += ["--mlx-attention", "--peer-max-context", "128", "--prefill", "64", "--allow-dirty"]
+    long_context.main(args)
+    (path,) = tmp_path.glob("long_context-quick-b1*.json")
+    data = json.loads(path.read_text())
+    rows = {row["metric"]: row for row in data["rows"]}
+    assert list(rows) == [
+        "prefill 128 (tok/s)", "prefill 128..512 (tok/s)", "prefill 64 (tok/s)",
+        "decode b1 ctx 128 (tok/s)", "decode b1 ctx 512 (tok/s)",
+    ]  # fmt: skip
+    for peer in ("mlx-lm", long_context.MLX_ATTENTION):
+        assert set(data["raw"][peer]) == {"prefill 128", "prefill 64", "decode b1 ctx 128"}
+    assert rows["decode b1 ctx 512 (tok/s)"]["minivllm / mlx-lm"] == "—"
+    assert rows["decode b1 ctx 128 (tok/s)"]["minivllm / MLX attention"].endswith("x")
+    # the limit falls with the context: more attention FLOPs a token, more K/V read a step
+    limits = [float(rows[m]["limit"]) for m in ("prefill 128 (tok/s)", "prefill 128..512 (tok/s)")]
+    assert limits[0] > limits[1] > 0
 
 
 def test_long_context_batch_subset_gets_its_own_file(tiny_model_dir, tmp_path):
