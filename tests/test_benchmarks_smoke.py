@@ -407,3 +407,20 @@ def test_decode_profile_quick_times_every_probe(model, tiny_model_dir, tmp_path)
         "100 tiny nodes",
     } <= set(rows)
     assert all(float(r["ms"].split()[0]) > 0 for r in rows.values())
+
+
+def test_long_context_profile_splits_each_step_for_both_attention_paths(tiny_model_dir, tmp_path):
+    from benchmarks import long_context_profile
+
+    args = ["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--allow-dirty"]
+    long_context_profile.main(args)
+    (path,) = tmp_path.glob("long_context_profile-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    parts = {(r["what"], r["part"]) for r in rows}
+    for label in ("compiled kernel", "MLX ops"):
+        for kind in ("prefill chunk", "decode step"):
+            # the wrappers saw the step's linear layers and attention
+            for part in ("step", "wrapped step", "linear layers", "attention", "the rest"):
+                assert (kind, f"{label}: {part}") in parts
+        assert ("one layer's attention, prefill chunk", f"{label}: the call") in parts
+    assert all(float(r["limit ms"]) > 0 for r in rows if r["part"].endswith(": step"))
