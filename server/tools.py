@@ -7,6 +7,13 @@ The call format is the model's own, as mlx-lm infers it from the chat template (
 template without a call format gets the generic one of server.generic_tools (the same blocks, rendered by
 the server). A
 marker that is an added token (Qwen's two are) is that token in a forced call's grammar, not its text.
+
+GLM-4.5 / 4.6 / 4.7 write a call's arguments as tags instead of JSON (mlx-lm's glm47 parser):
+`<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`, a string value as
+its raw text and any other as JSON, with or without a newline between the pieces (4.5's template writes
+them, 4.7's does not). A forced call is held to the function's schema in that form too; a schema the
+tags cannot express (a string with a pattern, a format or a length, `$defs`) gets the JSON form inside the
+same markers, which that parser also reads.
 """
 
 import json
@@ -63,6 +70,9 @@ class ToolCalling:
     bare_calls: bool  # also read an answer that is nothing but a call's JSON (see parse_bare)
     start_token: int | None = None  # the marker's id where it is one added token (Qwen's <tool_call>)
     end_token: int | None = None
+    # GLM's argument tags (ARG_TAGS), as lark snippets (a tag that is an added token by its id); None:
+    # the arguments are a JSON object
+    arg_tags: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, conv: Conversation, tokenizer) -> "ToolCalling | None":
@@ -91,6 +101,8 @@ class ToolCalling:
         own = tokenizer.has_tool_calling
         start = tokenizer.tool_call_start if own else generic_tools.START
         end = tokenizer.tool_call_end if own else generic_tools.END
+        tagged = own and getattr(tokenizer.tool_parser, "__module__", "").endswith(".glm47")
+        tags = tuple(_lark_marker(t, tokenizer.added_token_id(t)) for t in ARG_TAGS) if tagged else None
         return cls(
             tools=tuple(tools),
             choice=choice,
@@ -101,6 +113,7 @@ class ToolCalling:
             bare_calls=bare_calls,
             start_token=tokenizer.added_token_id(start),
             end_token=tokenizer.added_token_id(end),
+            arg_tags=tags,
         )
 
     @property
@@ -116,10 +129,13 @@ class ToolCalling:
         """Lark rules (llguidance's dialect) for one call block whose JSON follows a function's schema:
         the forced one, or any of the tools'. `call` is the rule to use."""
         names = [self.choice] if self.forced and self.choice != "required" else None
-        schemas = [_call_schema(t) for t in self.tools if names is None or t.qualified_name in names]
+        tools = [t for t in self.tools if names is None or t.qualified_name in names]
+        start, end = _lark_marker(self.start, self.start_token), _lark_marker(self.end, self.end_token)
+        if self.arg_tags is not None and all(_taggable(t.parameters) for t in tools):
+            return _tagged_call_grammar(tools, start, end, self.arg_tags)
+        schemas = [_call_schema(t) for t in tools]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         body["x-guidance"] = JSON_OPTIONS
-        start, end = _lark_marker(self.start, self.start_token), _lark_marker(self.end, self.end_token)
         return f'call: {start} "\\n" %json {json.dumps(body)} "\\n" {end}\n'
 
     # -- the output -----------------------------------------------------------------------------------
@@ -165,6 +181,57 @@ def _lark_marker(marker: str, token: int | None) -> str:
     text literal never matches (its first mask allows the token, then consuming it fails), so an added token
     is named by its id."""
     return json.dumps(marker) if token is None else f"<[{token}]>"
+
+
+ARG_TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+# what a string's raw text in a tag may be, its schema apart from these keys being plain
+_PLAIN_STRING_KEYS = {"type", "description", "title", "enum", "const", "default", "examples"}
+# a raw string value: any text but a closing tag's "</" (the closing tag is a token, where it is one)
+_RAW_TEXT = r"/([^<]|<[^\/])*/"
+
+
+def _taggable(parameters: dict | None) -> bool:
+    """Whether every argument of a function fits GLM's tags: self-contained schemas, strings plain."""
+    parameters = parameters or {}
+    if "$defs" in parameters or "definitions" in parameters:
+        return False
+    return all(
+        s.get("type") != "string" or set(s) <= _PLAIN_STRING_KEYS
+        for s in parameters.get("properties", {}).values()
+    )
+
+
+def _tagged_call_grammar(tools: list[ToolSpec], start: str, end: str, tags: tuple[str, ...]) -> str:
+    """Lark rules for one call in GLM's form: the function's name, then its arguments in the schema's
+    order (the required ones always), each a key tag and a value tag."""
+    key_open, key_close, value_open, value_close = tags
+    rules, alternatives = [], []
+    for i, tool in enumerate(tools):
+        parameters = tool.parameters or {}
+        required = set(parameters.get("required", []))
+        arguments = []
+        for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+            rule = f"arg_{i}_{j}"
+            rules.append(
+                f'{rule}: "\\n"? {key_open} {json.dumps(key)} {key_close} "\\n"? {value_open} '
+                f"{_tag_value(schema)} {value_close}"
+            )
+            arguments.append(rule if key in required else f"{rule}?")
+        rules.append(f'tool_{i}: {json.dumps(tool.qualified_name)} {" ".join(arguments)} "\\n"?')
+        alternatives.append(f"tool_{i}")
+    return f"call: {start} ({' | '.join(alternatives)}) {end}\n" + "\n".join(rules) + "\n"
+
+
+def _tag_value(schema: dict) -> str:
+    """An argument's value in its tag: a plain string's raw text (one of its enum or const, if it has
+    them), any other value as JSON following its schema."""
+    if schema.get("type") != "string":
+        return f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
+    return _RAW_TEXT
 
 
 def _call_schema(tool: ToolSpec) -> dict:

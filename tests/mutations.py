@@ -567,6 +567,22 @@ MUTATIONS = [
         "        if False:",
         ("tests/test_messages.py", "-k", "ping or order"),
     ),
+    Mutation(
+        "glm-calls-as-json",
+        "a forced call on a GLM-format template is held to JSON, not to the template's argument tags",
+        "server/tools.py",
+        'tagged = own and getattr(tokenizer.tool_parser, "__module__", "").endswith(".glm47")',
+        "tagged = False",
+        ("tests/test_tagged_tools.py",),
+    ),
+    Mutation(
+        "glm-optional-argument-required",
+        "a GLM call's grammar treats every argument as optional, the required ones included",
+        "server/tools.py",
+        'arguments.append(rule if key in required else f"{rule}?")',
+        'arguments.append(f"{rule}?")',
+        ("tests/test_tagged_tools.py",),
+    ),
     # -- paged attention and page placement ---------------------------------------------------------------
     Mutation(
         "causal-block-sees-a-future-key",

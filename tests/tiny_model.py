@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]  # Qwen2.5-Coder's fill-in-the-middle
@@ -48,6 +48,24 @@ THINKING_CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}"
 )
+# GLM-4.5's roles and tool-call form (written here from its documented format): tools listed in a system
+# turn, a call as <tool_call>NAME, then <arg_key>/<arg_value> pairs (strings raw, other values as JSON),
+# results after <|observation|>; mlx-lm infers its glm47 parser from the <arg_key> tag
+GLM_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+GLM_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+GLM_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools>\nCall one as <tool_call>{function-name}\n<arg_key>{arg-key}</arg_key>\n"
+    "<arg_value>{arg-value}</arg_value>\n</tool_call>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|assistant|>\n{{ m.content }}"
+    "{% for tc in m.tool_calls or [] %}{% set tc = tc.function %}\n<tool_call>{{ tc.name }}"
+    "{% for k, v in tc.arguments.items() %}\n<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>{% endfor %}\n</tool_call>{% endfor %}"
+    "{% elif m.role == 'tool' %}<|observation|>\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{% else %}<|{{ m.role }}|>\n{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
     "Paged attention stores keys and values in fixed-size blocks of sixteen tokens.",
@@ -57,7 +75,11 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 384, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
+def build_tokenizer(
+    vocab_size: int = 384, special_tokens: list[str] = SPECIAL_TOKENS, added_tokens: list[str] = ()
+) -> Tokenizer:
+    """added_tokens: tokens of their own that decode as their text (not special: Qwen's and GLM's
+    tool-call markers)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -68,6 +90,7 @@ def build_tokenizer(vocab_size: int = 384, special_tokens: list[str] = SPECIAL_T
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     return tok
 
 
@@ -85,13 +108,17 @@ def make_tiny_model(
     fim: bool = False,
     weight_scale: float = 4.0,
     chat_template: str = CHAT_TEMPLATE,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+    added_tokens: list[str] = (),
+    eos_token: str = "<|im_end|>",
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random Qwen2 model. fim: with
     Qwen2.5-Coder's fill-in-the-middle tokens among the special tokens. weight_scale: see
     save_random_weights (1.0, the default init's: a model whose greedy outputs repeat themselves)."""
     path = Path(path)
-    specials = SPECIAL_TOKENS + FIM_TOKENS if fim else SPECIAL_TOKENS
-    tok = write_tokenizer(path, build_tokenizer(special_tokens=specials), 2048, chat_template)
+    specials = special_tokens + FIM_TOKENS if fim else special_tokens
+    tokenizer = build_tokenizer(special_tokens=specials, added_tokens=added_tokens)
+    tok = write_tokenizer(path, tokenizer, 2048, chat_template, eos_token)
     vocab_size = 512  # >= tokenizer vocabulary, like real models' padded vocabularies
     config = {
         "model_type": "qwen2",
@@ -106,7 +133,7 @@ def make_tiny_model(
         "max_position_embeddings": max_position_embeddings,
         "rope_theta": 10000.0,
         "tie_word_embeddings": tie_embeddings,
-        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "eos_token_id": tok.token_to_id(eos_token),
         "bos_token_id": tok.token_to_id("<|endoftext|>"),
         "torch_dtype": "float32",
     }
@@ -290,7 +317,11 @@ def make_tiny_thinking_model(path: str | Path, seed: int = 0) -> Path:
 
 
 def write_tokenizer(
-    path: Path, tok: Tokenizer, model_max_length: int, chat_template: str = CHAT_TEMPLATE
+    path: Path,
+    tok: Tokenizer,
+    model_max_length: int,
+    chat_template: str = CHAT_TEMPLATE,
+    eos_token: str = "<|im_end|>",
 ) -> Tokenizer:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
@@ -298,7 +329,7 @@ def write_tokenizer(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|im_end|>",
+                "eos_token": eos_token,
                 "pad_token": "<|endoftext|>",
                 "bos_token": None,
                 "add_bos_token": False,
