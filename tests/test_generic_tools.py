@@ -87,48 +87,61 @@ def test_the_models_own_format_wins_where_its_template_has_one(tiny_model_dir):
     assert generic_tools.instructions([GET_WEATHER])[:40] not in text
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-@pytest.mark.parametrize("choice", ["required", "named"])
-def test_a_forced_call_in_the_generic_format_follows_the_schema(server, choice, stream):
-    tool_choice = (
-        choice if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
-    )
-    kwargs = dict(model="tiny", messages=ASK, tools=[GET_WEATHER, GET_TIME], tool_choice=tool_choice)
+def forced_chat_call(server, tools: list[dict], tool_choice, stream: bool) -> tuple[str, str]:
+    """A forced call through the openai SDK's chat completions, streamed or not: its name and arguments."""
+    kwargs = dict(model="tiny", messages=ASK, tools=tools, tool_choice=tool_choice, max_tokens=300, seed=1)
     client = server.client()
     if stream:
         name, arguments, reasons = "", "", []
-        for chunk in client.chat.completions.create(**kwargs, max_tokens=200, stream=True, seed=1):
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
             for call in chunk.choices[0].delta.tool_calls or []:
                 name += call.function.name or ""
                 arguments += call.function.arguments or ""
             reasons.append(chunk.choices[0].finish_reason)
         assert reasons[-1] == "tool_calls"
     else:
-        reply = client.chat.completions.create(**kwargs, max_tokens=200, seed=1)
+        reply = client.chat.completions.create(**kwargs)
         assert reply.choices[0].finish_reason == "tool_calls"
         (call,) = reply.choices[0].message.tool_calls
         name, arguments = call.function.name, call.function.arguments
-    if choice == "named":
-        assert name == "get_weather"
-    schema = {"get_weather": WEATHER, "get_time": GET_TIME["function"]["parameters"]}[name]
-    jsonschema.validate(json.loads(arguments), schema)
     server.wait_idle()
+    return name, arguments
 
 
-def test_a_forced_call_and_its_round_trip_through_the_messages_api(server):
+def forced_call_round_trip(server, tool: dict) -> None:
+    """A forced call through the anthropic SDK, valid against its schema, then its result sent back: the
+    first turn's prompt is restored."""
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    tool = {"name": "get_weather", "description": "The weather", "input_schema": WEATHER}
     first = client.messages.create(
-        model="tiny", max_tokens=200, messages=ASK, tools=[tool], tool_choice={"type": "any"}
+        model="tiny", max_tokens=300, messages=ASK, tools=[tool], tool_choice={"type": "any"}
     )
     (use,) = [b for b in first.content if b.type == "tool_use"]
-    assert first.stop_reason == "tool_use" and use.name == "get_weather"
-    jsonschema.validate(use.input, WEATHER)
+    assert first.stop_reason == "tool_use" and use.name == tool["name"]
+    jsonschema.validate(use.input, tool["input_schema"])
     result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
     history = [*ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]
     second = client.messages.create(model="tiny", max_tokens=8, messages=history, tools=[tool])
     assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt, restored
     server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_in_the_generic_format_follows_the_schema(server, choice, stream):
+    tool_choice = (
+        choice if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    )
+    name, arguments = forced_chat_call(server, [GET_WEATHER, GET_TIME], tool_choice, stream)
+    if choice == "named":
+        assert name == "get_weather"
+    schema = {"get_weather": WEATHER, "get_time": GET_TIME["function"]["parameters"]}[name]
+    jsonschema.validate(json.loads(arguments), schema)
+
+
+def test_a_forced_call_and_its_round_trip_through_the_messages_api(server):
+    forced_call_round_trip(
+        server, {"name": "get_weather", "description": "The weather", "input_schema": WEATHER}
+    )
 
 
 def test_a_forced_call_through_the_responses_api(server):

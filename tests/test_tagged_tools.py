@@ -4,7 +4,6 @@ call is parsed back, through the openai and anthropic SDKs."""
 
 import json
 
-import anthropic
 import jsonschema
 import llguidance
 import llguidance.hf
@@ -15,9 +14,9 @@ from server.conversation import ToolSpec
 from server.tools import ToolCalling
 from tests.server_thread import ServerThread, tiny_settings
 from tests.test_api import GET_TIME, WEATHER
+from tests.test_generic_tools import forced_call_round_trip, forced_chat_call
 from tests.tiny_model import GLM_CHAT_TEMPLATE, GLM_TOKENS, GLM_TOOL_TOKENS, make_tiny_model
 
-ASK = [{"role": "user", "content": "Paged attention stores keys and values"}]
 # plain strings, an enum, an integer and an optional array: what the tags carry as raw text or JSON
 FORECAST = {
     "type": "object",
@@ -113,37 +112,10 @@ def test_a_schema_the_tags_cannot_hold_keeps_the_json_form(glm_model_dir):
 def test_a_forced_call_in_tags_comes_back_as_a_call_valid_against_its_schema(server, stream):
     tool_choice = {"type": "function", "function": {"name": "get_forecast"}}
     forecast = {"type": "function", "function": {"name": "get_forecast", "parameters": SHORT_FORECAST}}
-    kwargs = dict(model="tiny", messages=ASK, tools=[forecast, GET_TIME], tool_choice=tool_choice)
-    client = server.client()
-    if stream:
-        name, arguments, reasons = "", "", []
-        for chunk in client.chat.completions.create(**kwargs, max_tokens=300, stream=True, seed=3):
-            for call in chunk.choices[0].delta.tool_calls or []:
-                name += call.function.name or ""
-                arguments += call.function.arguments or ""
-            reasons.append(chunk.choices[0].finish_reason)
-        assert reasons[-1] == "tool_calls"
-    else:
-        reply = client.chat.completions.create(**kwargs, max_tokens=300, seed=3)
-        assert reply.choices[0].finish_reason == "tool_calls"
-        (call,) = reply.choices[0].message.tool_calls
-        name, arguments = call.function.name, call.function.arguments
+    name, arguments = forced_chat_call(server, [forecast, GET_TIME], tool_choice, stream)
     assert name == "get_forecast"
     jsonschema.validate(json.loads(arguments), SHORT_FORECAST)
-    server.wait_idle()
 
 
 def test_a_forced_call_in_tags_and_its_round_trip_through_the_messages_api(server):
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    tool = {"name": "get_forecast", "description": "The forecast", "input_schema": SHORT_FORECAST}
-    first = client.messages.create(
-        model="tiny", max_tokens=300, messages=ASK, tools=[tool], tool_choice={"type": "any"}
-    )
-    (use,) = [b for b in first.content if b.type == "tool_use"]
-    assert first.stop_reason == "tool_use" and use.name == "get_forecast"
-    jsonschema.validate(use.input, SHORT_FORECAST)
-    result = {"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}
-    history = [*ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]
-    second = client.messages.create(model="tiny", max_tokens=8, messages=history, tools=[tool])
-    assert second.usage.cache_read_input_tokens > 0  # the first turn's prompt (the call in tags), restored
-    server.wait_idle()
+    forced_call_round_trip(server, {"name": "get_forecast", "input_schema": SHORT_FORECAST})
