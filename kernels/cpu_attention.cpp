@@ -47,9 +47,10 @@ std::vector<Piece> pieces(const int64_t* run_slot, const int64_t* run_len, int n
 }
 
 // Rows [r0, r1) of a block's scores: softmax numerators in place over the visible keys, zero elsewhere;
-// sums[r] gets each row's denominator.
+// sums[r] gets each row's denominator. sinks: the group's query heads' sink logits (gpt-oss's: one more
+// term of each row's denominator, with no value), or null.
 void softmax_rows(float* scores, int64_t width, int r0, int r1, int rows_per_head, int64_t first,
-                  int64_t first_query, int64_t window, float* sums) {
+                  int64_t first_query, int64_t window, const float* sinks, float* sums) {
   for (int r = r0; r < r1; ++r) {
     float* row = scores + r * width;
     int64_t position = first_query + r % rows_per_head;
@@ -57,7 +58,9 @@ void softmax_rows(float* scores, int64_t width, int r0, int r1, int rows_per_hea
     int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1 - first) : 0;
     float m = row[lo];
     for (int64_t j = lo + 1; j < hi; ++j) m = std::max(m, row[j]);
-    float s = 0.f;
+    const float sink = sinks ? sinks[r / rows_per_head] : 0.f;
+    if (sinks) m = std::max(m, sink);
+    float s = sinks ? expf(sink - m) : 0.f;
 #pragma omp simd reduction(+ : s)
     for (int64_t j = lo; j < hi; ++j) {
       float e = expf(row[j] - m);
@@ -87,6 +90,7 @@ struct Block {
   const float* q;
   const float* k_head;
   const float* v_head;
+  const float* sinks;  // the group's query heads' sink logits, or null
   int H, D, rep, group, rows_per_head;
   bool few;  // few rows: plain loops, not BLAS
   int64_t b0, first, first_query, width, window;
@@ -152,7 +156,7 @@ void attend_group(const Block& b, const std::vector<Piece>& ps, int softmax_thre
   const Block* bp = &b;
   parallel_rows(M, softmax_threads, [=](int r0, int r1) {
     softmax_rows(scores_data, bp->width, r0, r1, bp->rows_per_head, bp->first, bp->first_query, bp->window,
-                 sums_data);
+                 bp->sinks, sums_data);
   });
   column = 0;
   if (few) std::fill(o_rows.begin(), o_rows.end(), 0.f);
@@ -187,14 +191,15 @@ void minivllm_attention_init(void* cblas_sgemm, int num_threads) {
 
 // q: [n, H, D] (the sequence's n new tokens, at positions start .. start + n - 1); k_pool, v_pool:
 // [Hkv, slots, D]; runs: the context's (first slot, slots) in order, covering positions 0 .. start + n
-// - 1; window: a sliding window's size, 0 for none; block: queries per causal block; few_rows: a group's
+// - 1; window: a sliding window's size, 0 for none; sinks: [H] sink logits, or null; block: queries per
+// causal block; few_rows: a group's
 // query rows (heads sharing a KV head x the block's queries) up to which the groups run side by side, each
 // on one core with plain loops (decode), where above it they run one after the other with BLAS and the
 // softmax on every core. out: [n, H, D].
 void minivllm_attention(const float* q, const float* k_pool, const float* v_pool, int64_t slots, int H,
                         int Hkv, int D, int64_t n, int64_t start, const int64_t* run_slot,
-                        const int64_t* run_len, int n_runs, int64_t window, float scale, int block,
-                        int few_rows, float* out) {
+                        const int64_t* run_len, int n_runs, int64_t window, const float* sinks, float scale,
+                        int block, int few_rows, float* out) {
   const int rep = H / Hkv;
   thread_local std::vector<Workspace> workspaces;
   workspaces.resize(std::max<size_t>(workspaces.size(), Hkv));
@@ -206,9 +211,10 @@ void minivllm_attention(const float* q, const float* k_pool, const float* v_pool
     const std::vector<Piece> ps = pieces(run_slot, run_len, n_runs, first, visible);
     std::vector<Block> blocks;
     for (int g = 0; g < Hkv; ++g)
-      blocks.push_back({q, k_pool + (int64_t)g * slots * D, v_pool + (int64_t)g * slots * D, H, D, rep, g,
-                        rows_per_head, rep * rows_per_head <= few_rows, b0, first, first_query,
-                        visible - first, window, scale, out});
+      blocks.push_back({q, k_pool + (int64_t)g * slots * D, v_pool + (int64_t)g * slots * D,
+                        sinks ? sinks + g * rep : nullptr, H, D, rep, g, rows_per_head,
+                        rep * rows_per_head <= few_rows, b0, first, first_query, visible - first, window,
+                        scale, out});
     if (blocks[0].few) {
       parallel_rows(Hkv, threads, [&](int g0, int g1) {
         for (int g = g0; g < g1; ++g) attend_group(blocks[g], ps, 1, ws[g]);

@@ -63,7 +63,8 @@ def load(sgemm_library: str | None, build_dir: Path) -> bool:
     library.minivllm_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     library.minivllm_attention.argtypes += [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     library.minivllm_attention.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    library.minivllm_attention.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    library.minivllm_attention.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    library.minivllm_attention.argtypes += [ctypes.c_void_p]
     _library = library
     return True
 
@@ -114,21 +115,23 @@ def attention(
     runs: list[tuple[int, int]],
     scale: float,
     window: int | None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Causal attention of one sequence's new tokens, queries [n, H, D] at positions start .. start + n -
-    1, over its context in the pools [Hkv, slots, D] (float32) as runs of (first slot, slots). Returns
-    [n, H * D]."""
+    1, over its context in the pools [Hkv, slots, D] (float32) as runs of (first slot, slots), with a
+    sink logit per head where sinks [H] are given. Returns [n, H * D]."""
     n, heads, head_dim = queries.shape
     heads_kv, slots, _ = k_pool.shape
-    mx.eval(queries, k_pool, v_pool)
+    mx.eval(queries, k_pool, v_pool, *([] if sinks is None else [sinks]))
     q = np.ascontiguousarray(queries)
+    sink = None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     k, v = np.ascontiguousarray(k_pool), np.ascontiguousarray(v_pool)  # the pools' own buffers, no copy
     run_slot = np.array([r[0] for r in runs], dtype=np.int64)
     run_len = np.array([r[1] for r in runs], dtype=np.int64)
     out = np.empty((n, heads * head_dim), dtype=np.float32)
     _library.minivllm_attention(
         q.ctypes.data, k.ctypes.data, v.ctypes.data, slots, heads, heads_kv, head_dim, n, start,
-        run_slot.ctypes.data, run_len.ctypes.data, len(runs), window or 0, scale, BLOCK, FEW_ROWS,
-        out.ctypes.data,
+        run_slot.ctypes.data, run_len.ctypes.data, len(runs), window or 0,
+        None if sink is None else sink.ctypes.data, scale, BLOCK, FEW_ROWS, out.ctypes.data,
     )  # fmt: skip
     return mx.array(out)

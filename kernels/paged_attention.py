@@ -169,17 +169,20 @@ def paged_attention(
     layout: AttentionLayout,
     scale: float,
     window: int | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """queries: flat [T, n_heads, D] of the new tokens, whose K/V are already in the pools. window: a
     sliding-window layer's, where the query at position p sees the keys of positions p - window + 1 .. p
-    (the pool still holds every position: other layers and the prefix cache need them).
+    (the pool still holds every position: other layers and the prefix cache need them). sinks: [n_heads]
+    attention sinks (gpt-oss's), one more logit per head in each query's softmax, with no value.
     Returns flat [T, n_heads * D]."""
     outs, t = [], 0
     for seq in layout.seqs:
         q = queries[t : t + seq.num_new]
         t += seq.num_new
         if layout.cpu_kernel and cpu_attention.fits(q, seq.start + seq.num_new):
-            outs.append(cpu_attention.attention(q, k_pool, v_pool, seq.start, seq.runs, scale, window))
+            args = (q, k_pool, v_pool, seq.start, seq.runs, scale, window, sinks)
+            outs.append(cpu_attention.attention(*args))
             continue
         keys, values, runs = _context(k_pool, v_pool, seq, layout.page_size)
         for r0 in range(0, seq.num_new, BLOCK):
@@ -187,7 +190,7 @@ def paged_attention(
             visible = seq.start + r1  # keys of positions first .. visible - 1
             first = 0 if window is None else max(0, seq.start + r0 - window + 1)
             k, v = _views(keys, runs, first, visible), _views(values, runs, first, visible)
-            outs.append(_attend_parallel(q[r0:r1], k, v, scale, window))
+            outs.append(_attend_parallel(q[r0:r1], k, v, scale, window, sinks))
     return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
@@ -231,10 +234,11 @@ def cpu_streams() -> list:
 
 
 _extra_streams: list | None = None
+Pieces = list[mx.array]  # a context's keys or values, as consecutive pieces [1, Hkv, S_i, D]
 
 
 def _attend_parallel(
-    q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float, window: int | None = None
+    q: mx.array, keys: Pieces, values: Pieces, scale: float, window=None, sinks=None
 ) -> mx.array:
     """_attend, split by KV heads over the CPU's cores when there are many scores. On the CPU backend
     element-wise work (the softmax's exp above all, ~11 ns an element) runs on one thread per stream;
@@ -245,36 +249,40 @@ def _attend_parallel(
     streams = cpu_streams()[:heads_kv] if scores >= PARALLEL_MIN_SCORES else []
     # the split exists for MLX's one-thread exp: a softmax on numpy is faster alone
     if len(streams) < 2 or _prefill_on_numpy(q.dtype, L, H, keys):
-        return _attend(q, keys, values, scale, window)
+        return _attend(q, keys, values, scale, window, sinks)
     rep, outs = H // heads_kv, []
     for g, stream in enumerate(streams):
         h0, h1 = g * heads_kv // len(streams), (g + 1) * heads_kv // len(streams)
         with mx.stream(stream):
             k, v = [x[:, h0:h1] for x in keys], [x[:, h0:h1] for x in values]
-            outs.append(_attend(q[:, h0 * rep : h1 * rep], k, v, scale, window).reshape(L, -1, D))
+            s = None if sinks is None else sinks[h0 * rep : h1 * rep]
+            outs.append(_attend(q[:, h0 * rep : h1 * rep], k, v, scale, window, s).reshape(L, -1, D))
     return mx.concatenate(outs, axis=1).reshape(L, H * D)
 
 
-def _attend(
-    q: mx.array, keys: list[mx.array], values: list[mx.array], scale: float, window: int | None = None
-) -> mx.array:
+def _attend(q: mx.array, keys: Pieces, values: Pieces, scale: float, window=None, sinks=None) -> mx.array:
     """q: [L, H, D], the last L positions of the context; keys/values: the context in order, as pieces
-    [1, Hkv, S_i, D]. Causal attention (within `window` positions, when given); returns [L, H * D]."""
+    [1, Hkv, S_i, D]. Causal attention (within `window` positions, when given; with a sink logit per
+    head, when given); returns [L, H * D]."""
     L, H, D = q.shape
     heads_kv = keys[0].shape[1]
-    if L == 1:  # one query sees every key: stack the query heads sharing a KV head as rows
+    # one query sees every key: stack the query heads sharing a KV head as rows (not with sinks, which
+    # MLX's attention takes per head, not per row)
+    stacked = L == 1 and sinks is None
+    if stacked:
         q, causal = q.reshape(1, heads_kv, H // heads_kv, D), False
     else:
-        q, causal = q.transpose(1, 0, 2)[None], True
+        q, causal = q.transpose(1, 0, 2)[None], L > 1
     # a prefill block's large softmax goes through numpy on the CPU (kernels.activations); decode keeps
     # MLX's attention, without a host round trip per layer
     numpy_softmax = causal and _prefill_on_numpy(q.dtype, L, H, keys)
     if len(keys) == 1 and not numpy_softmax:
         mask = _causal_mask(L, keys[0].shape[2], window) if causal else None
-        out = mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask=mask)
+        args = {} if sinks is None else {"sinks": sinks.astype(q.dtype)}
+        out = mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask=mask, **args)
     else:
-        out = _attend_runs(q, keys, values, scale, causal, window, numpy_softmax)
-    if L == 1:
+        out = _attend_runs(q, keys, values, scale, causal, window, numpy_softmax, sinks)
+    if stacked:
         return out.reshape(1, H * D)
     return out[0].transpose(1, 0, 2).reshape(L, H * D)
 
@@ -297,10 +305,11 @@ def _causal_mask(L: int, S: int, window: int | None) -> mx.array | str:
     return "causal" if window is None or S <= window else _visible(L, S, window)
 
 
-def _attend_runs(q, keys, values, scale, causal, window=None, numpy_softmax=False) -> mx.array:
+def _attend_runs(q, keys, values, scale, causal, window=None, numpy_softmax=False, sinks=None) -> mx.array:
     """Attention over a context split into pieces, without joining them: like MLX's unfused
     scaled_dot_product_attention (scale, scores, mask, precise softmax, values) with the scores of all
-    pieces concatenated before the softmax and the values' products summed piece by piece."""
+    pieces concatenated before the softmax and the values' products summed piece by piece; sinks, as
+    MLX's: a first column of each head's sink logit, dropped after the softmax."""
     B, H, L, D = q.shape
     heads_kv = keys[0].shape[1]
     q = q * mx.array(scale, dtype=q.dtype)
@@ -312,7 +321,12 @@ def _attend_runs(q, keys, values, scale, causal, window=None, numpy_softmax=Fals
     if causal:
         visible = _visible(L, scores.shape[-1], window)
         scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    if sinks is not None:
+        column = sinks.astype(scores.dtype).reshape(*scores.shape[1:-2], 1, 1)  # per query head
+        scores = mx.concatenate([mx.broadcast_to(column, (*scores.shape[:-1], 1)), scores], axis=-1)
     probs = softmax_numpy(scores) if numpy_softmax else mx.softmax(scores, axis=-1, precise=True)
+    if sinks is not None:
+        probs = probs[..., 1:]
     out, offset = None, 0
     for v in values:
         n = v.shape[-2]

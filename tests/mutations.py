@@ -583,6 +583,38 @@ MUTATIONS = [
         'arguments.append(f"{rule}?")',
         ("tests/test_tagged_tools.py",),
     ),
+    Mutation(
+        "gpt-oss-sinks-ignored",
+        "gpt-oss's attention leaves out its sink logits",
+        "minivllm/models/layers.py",
+        'getattr(attn, "sinks", None)',
+        "None",
+        ("tests/test_families.py", "-k", "gpt_oss"),
+    ),
+    Mutation(
+        "gpt-oss-window-ignored",
+        "gpt-oss's sliding-window layers attend to the whole context",
+        "minivllm/models/gpt_oss.py",
+        'body.window_size if kind == "sliding_attention" else None',
+        "None",
+        ("tests/test_families.py", "-k", "gpt_oss"),
+    ),
+    Mutation(
+        "sinks-dropped-on-mlx-ops",
+        "attention on MLX ops over several runs drops the sink column from the wrong end",
+        KERNEL,
+        "        probs = probs[..., 1:]",
+        "        probs = probs[..., :-1]",
+        ("tests/test_paged_attention.py", "-k", "sinks"),
+    ),
+    Mutation(
+        "cpu-kernel-sinks-ignored",
+        "the compiled CPU kernel leaves the sink out of each row's denominator",
+        "kernels/cpu_attention.cpp",
+        "float s = sinks ? expf(sink - m) : 0.f;",
+        "float s = 0.f;",
+        ("tests/test_paged_attention.py", "-k", "compiled and sinks"),
+    ),
     # -- paged attention and page placement ---------------------------------------------------------------
     Mutation(
         "causal-block-sees-a-future-key",
@@ -676,8 +708,8 @@ MUTATIONS = [
         "split-heads-misaligned",
         "attention split over CPU streams pairs query heads with the wrong KV head",
         KERNEL,
-        "_attend(q[:, h0 * rep : h1 * rep], k, v, scale, window)",
-        "_attend(q[:, h0 : h0 + (h1 - h0) * rep], k, v, scale, window)",
+        "_attend(q[:, h0 * rep : h1 * rep], k, v, scale, window, s)",
+        "_attend(q[:, h0 : h0 + (h1 - h0) * rep], k, v, scale, window, s)",
         ("tests/test_paged_attention.py",),
     ),
     Mutation(
@@ -846,9 +878,9 @@ MUTATIONS = [
     Mutation(
         "gemma-window-ignored",
         "Gemma 3's local layers attend to the whole context",
-        "minivllm/models/layers.py",
-        'window = self.window if getattr(attn, "is_sliding", False) else None',
-        "window = None",
+        "minivllm/models/gemma3_text.py",
+        "windows = tuple(window if b.self_attn.is_sliding else None for b in model.model.layers)",
+        "windows = ()",
         ("tests/test_families.py",),
     ),
     Mutation(

@@ -12,6 +12,7 @@ from tests.tiny_model import FAMILY_OPTIONS, make_tiny_family_model
 
 QWEN3_MOE = {k: v for k, v in FAMILY_OPTIONS["qwen3_moe"].items() if k != "num_hidden_layers"}
 GLM4_MOE = FAMILY_OPTIONS["glm4_moe"]
+GPT_OSS = FAMILY_OPTIONS["gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_OPTIONS))
@@ -43,6 +44,11 @@ REFUSED = [
     ("gemma2", {}, "unsupported architecture 'gemma2'"),
     ("qwen3_moe", {**QWEN3_MOE, "rope_scaling": YARN}, "rope scaling ({"),  # mlx-lm's module ignores it
     ("glm4_moe", {**GLM4_MOE, "rope_scaling": YARN}, "rope scaling ({"),  # so does GLM's
+    (
+        "gpt_oss",
+        {**GPT_OSS, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        "rope scaling type 'dynamic'",
+    ),
     ("phi3", {"sliding_window": 64}, "window 64 < context 4096"),  # mlx-lm's module ignores it
     ("gemma3_text", {"final_logit_softcapping": 30.0}, "logit soft-capping"),
     (
@@ -95,3 +101,16 @@ def test_a_module_the_forward_would_skip_is_refused(tmp_path):
     model.model.layers[0].self_attn.q_norm = None
     with pytest.raises(ValueError, match="an attention module without q_norm"):
         check_supported(config, model)
+
+
+def test_a_harmony_template_is_not_served_until_its_channels_are_parsed(tmp_path):
+    """gpt-oss's forward runs (above), but its Harmony answers (analysis, commentary and final channels)
+    would reach clients as plain text: the server refuses such a template at start-up, by name."""
+    from minivllm.models.loader import load_tokenizer
+    from server.prompts import PromptBuilder
+
+    template = "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    template += "{% if add_generation_prompt %}<|start|>assistant<|channel|>{% endif %}"
+    path = make_tiny_family_model(tmp_path / "m", "gpt_oss", chat_template=template, **GPT_OSS)
+    with pytest.raises(ValueError, match="Harmony format"):
+        PromptBuilder(load_tokenizer(str(path)), 2048)

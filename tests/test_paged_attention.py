@@ -18,9 +18,10 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 8, 4
 NUM_PAGES = 400
 
 
-def reference(queries, k_pool, v_pool, tables, starts, num_new, scale, window=None):
+def reference(queries, k_pool, v_pool, tables, starts, num_new, scale, window=None, sinks=None):
     """Plain causal attention per sequence over its context gathered slot by slot, in float64; window:
-    each query sees only the keys of its last `window` positions."""
+    each query sees only the keys of its last `window` positions; sinks: a logit per head that joins
+    each softmax's denominator."""
     q = np.asarray(queries, dtype=np.float64)
     k_pool, v_pool = np.asarray(k_pool, np.float64), np.asarray(v_pool, np.float64)
     rep, out, t = HEADS // KV_HEADS, [], 0
@@ -36,8 +37,12 @@ def reference(queries, k_pool, v_pool, tables, starts, num_new, scale, window=No
         scores[:, pos[None, :] > query_pos] = -np.inf
         if window is not None:
             scores[:, pos[None, :] <= query_pos - window] = -np.inf
+        if sinks is not None:
+            column = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (*scores.shape[:2], 1))
+            scores = np.concatenate([column, scores], axis=-1)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
+        probs = probs[..., 1:] if sinks is not None else probs
         out.append((probs @ v).transpose(1, 0, 2).reshape(n, -1))
         t += n
     return np.concatenate(out)
@@ -56,14 +61,16 @@ def compiled(request, tmp_path_factory, monkeypatch):
     return calls  # each call's start
 
 
-def run(tables, starts, num_new, seed=0, window=None, cpu_kernel=False):
+def run(tables, starts, num_new, seed=0, window=None, cpu_kernel=False, sinks=False):
     rng = np.random.default_rng(seed)
     k_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
     v_pool = mx.array(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, HEAD_DIM)).astype(np.float32))
     queries = mx.array(rng.standard_normal((sum(num_new), HEADS, HEAD_DIM)).astype(np.float32))
+    # sink logits as large as the scores' (some heads' sinks take most of a row's weight)
+    sink = mx.array((3 * rng.standard_normal(HEADS)).astype(np.float32)) if sinks else None
     layout = pa.build_layout(tables, starts, num_new, PAGE, cpu_kernel)
-    out = pa.paged_attention(queries, k_pool, v_pool, layout, HEAD_DIM**-0.5, window)
-    expected = reference(queries, k_pool, v_pool, tables, starts, num_new, HEAD_DIM**-0.5, window)
+    out = pa.paged_attention(queries, k_pool, v_pool, layout, HEAD_DIM**-0.5, window, sink)
+    expected = reference(queries, k_pool, v_pool, tables, starts, num_new, HEAD_DIM**-0.5, window, sink)
     return np.asarray(out), expected, layout
 
 
@@ -107,14 +114,15 @@ def test_page_runs_of_long_tables_cover_the_context_page_by_page(num_pages):
 @pytest.mark.parametrize("split", ["never", "always"])
 @pytest.mark.parametrize("softmax", ["mlx", "numpy"])
 @pytest.mark.parametrize("window", [None, 37])
-def test_matches_dense_attention(tables, starts, num_new, split, softmax, window, monkeypatch):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_matches_dense_attention(tables, starts, num_new, split, softmax, window, sinks, monkeypatch):
     # split: attention divided by KV heads over the CPU streams (one per core) or kept whole;
     # softmax: MLX's attention everywhere, or every prefill block's softmax through numpy (as large
     # ones on the CPU; decode keeps MLX's attention either way); window: a sliding-window layer's
     # (shorter than the contexts, and not a multiple of the page size: it starts mid-page and mid-run)
     monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0 if split == "always" else 1 << 62)
     monkeypatch.setattr(activations, "NUMPY_MIN_ELEMENTS", 0 if softmax == "numpy" else 1 << 62)
-    out, expected, layout = run(tables, starts, num_new, window=window)
+    out, expected, layout = run(tables, starts, num_new, window=window, sinks=sinks)
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
 
@@ -135,10 +143,11 @@ def test_matches_dense_attention(tables, starts, num_new, split, softmax, window
     ],
 )
 @pytest.mark.parametrize("window", [None, 37, 3])
-def test_compiled_kernel_matches_dense_attention(tables, starts, num_new, window, compiled):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_compiled_kernel_matches_dense_attention(tables, starts, num_new, window, sinks, compiled):
     # window 37: starts mid-page and mid-run; 3: shorter than a causal block, so the block's first
     # rows see keys its last rows do not
-    out, expected, layout = run(tables, starts, num_new, window=window, cpu_kernel=True)
+    out, expected, layout = run(tables, starts, num_new, window=window, cpu_kernel=True, sinks=sinks)
     assert compiled == starts  # every sequence went to the kernel
     assert out.shape == expected.shape
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)

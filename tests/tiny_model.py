@@ -268,6 +268,22 @@ FAMILY_OPTIONS = {
         "partial_rotary_factor": 0.5,
         "rope_scaling": None,
     },
+    # gpt-oss's options: a sliding (window 40, mid-page, inside the long prompt) and a full layer, attention
+    # sinks, experts with its clamped SwiGLU and biases, yarn rope
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "sliding_window": 40,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+    },
 }
 
 
@@ -346,6 +362,8 @@ def save_random_weights(model, path: Path, scale: float = 4.0) -> None:
     # Wider random weights than the default init, so greedy outputs vary from token to token (with the
     # default init's, scale 1, they fall into loops: what prompt-lookup drafts predict).
     params = {k: v * scale if v.ndim >= 2 else v for k, v in tree_flatten(model.parameters())}  # 3-D: experts
+    # attention sinks (gpt-oss's) start at zero: logits of the scores' size, so that they weigh
+    params |= {k: 2 * mx.random.normal(v.shape) for k, v in params.items() if k.endswith(".sinks")}
     mx.save_safetensors(str(path / "model.safetensors"), params)
 
 

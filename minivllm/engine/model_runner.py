@@ -44,13 +44,16 @@ class KVGeometry:
     @classmethod
     def of(cls, model: nn.Module, dtype: mx.Dtype) -> "KVGeometry":
         attn = model.model.layers[0].self_attn
+        # mlx-lm's names, or gpt-oss's module's own
+        heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
+        heads_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
         # Qwen3's attention modules keep no head_dim, and its head_dim is not hidden_size / heads
         head_dim = (
             getattr(attn, "head_dim", None)
             or getattr(model.args, "head_dim", None)
-            or model.args.hidden_size // attn.n_heads
+            or model.args.hidden_size // heads
         )
-        return cls(len(model.model.layers), attn.n_kv_heads, head_dim, dtype)
+        return cls(len(model.model.layers), heads_kv, head_dim, dtype)
 
 
 @dataclass

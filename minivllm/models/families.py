@@ -6,7 +6,7 @@ silently answer wrong tokens. So a model is served only when its `model_type` is
 config uses no option the family's entry does not cover; the error names the architecture and what is
 missing. Each family listed is checked token for token against mlx-lm's own implementation in the tests.
 The blocks' computation lives in one file per family that differs: qwen2 (Qwen2, Qwen3, Llama, Mistral,
-Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text.
+Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text, gpt_oss.
 """
 
 from collections.abc import Callable
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from minivllm.models import gemma3_text, phi3, qwen2
+from minivllm.models import gemma3_text, gpt_oss, phi3, qwen2
 from minivllm.models.layers import Architecture
 
 Check = Callable[[dict, nn.Module], str | None]  # the unsupported option it finds, or None
@@ -151,6 +151,33 @@ def gemma_layer_types(config: dict, model: nn.Module) -> str | None:
     return None
 
 
+GPT_OSS_ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "rope"}  # and its `sinks` array
+GPT_OSS_EXPERTS = {"router", "experts"}
+
+
+def gpt_oss_layout(config: dict, model: nn.Module) -> str | None:
+    """gpt-oss's modules as the forward reads them: its own attribute names (num_attention_heads, sm_scale,
+    sinks), layers each sliding or full, and the window mlx-lm's module keeps."""
+    kinds = set(model.model.layer_types)
+    if not kinds <= {"sliding_attention", "full_attention"}:
+        return f"layer_types {sorted(kinds)}"
+    if "sliding_attention" in kinds and not model.model.window_size:
+        return "sliding-window layers without a window"
+    for block in model.model.layers:
+        attn = block.self_attn
+        absent = [
+            n
+            for n in ("num_attention_heads", "num_key_value_heads", "sm_scale", "sinks")
+            if not hasattr(attn, n)
+        ]
+        if absent:
+            return f"an attention module without {', '.join(absent)}"
+        found = differs("an attention module", attn, GPT_OSS_ATTENTION) or differs("a block", block, BLOCK)
+        if found or (found := mlp_differs(block.mlp, (GPT_OSS_EXPERTS,))):
+            return found
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     checks: tuple[Check, ...]
@@ -190,6 +217,8 @@ FAMILIES = {
         + (layout({"qkv_proj", "o_proj", "rope"}, BLOCK, ({"gate_up_proj", "down_proj"},)),),
         fixed(phi3.ARCHITECTURE),
     ),
+    # gpt-oss: alternating sliding and full layers with attention sinks; mlx-lm's experts module whole
+    "gpt_oss": Family(SHARED + (rope_scaling, gpt_oss_layout), gpt_oss.architecture),
     "gemma3_text": Family(
         SHARED
         + (rope_scaling, gemma_activation, no_experts, gemma_layer_types)

@@ -31,5 +31,7 @@ def after_attention(block: nn.Module, h: mx.array, r: mx.array) -> mx.array:
 
 
 def architecture(model: nn.Module) -> Architecture:
-    block = Block(write_block_kv, queries, after_attention, window=model.args.sliding_window)
+    window = model.args.sliding_window
+    windows = tuple(window if b.self_attn.is_sliding else None for b in model.model.layers)
+    block = Block(write_block_kv, queries, after_attention, windows)
     return Architecture(block, write_block_kv, embed)

@@ -44,8 +44,10 @@ def attend(
     window: int | None = None,
 ) -> mx.array:
     """The output projection of the queries [T, n_heads, D] (rope applied) over the pools, which hold
-    their own K/V already; window: a sliding-window layer's."""
-    out = paged_attention(queries, kv.keys[layer], kv.values[layer], layout, attn.scale, window)
+    their own K/V already; window: a sliding-window layer's. The module's attention sinks too, where it
+    has them (gpt-oss's, whose module names its scale sm_scale)."""
+    scale, sinks = getattr(attn, "scale", None) or attn.sm_scale, getattr(attn, "sinks", None)
+    out = paged_attention(queries, kv.keys[layer], kv.values[layer], layout, scale, window, sinks)
     return attn.o_proj(out)
 
 
@@ -68,12 +70,13 @@ class Block:
     """One transformer block over the flat tokens, from a family's parts:
     write_kv (block, h, kv, layer, layout) writes the K/V and returns what `queries` (attn, it, layout)
     makes the queries of; after_attention (block, h, attention output) -> the block's output;
-    window: the sliding window of the layers whose attention module `is_sliding`."""
+    windows: each layer's sliding window (None: it attends to the whole context), empty where none has
+    one."""
 
     write_kv: Callable[[nn.Module, mx.array, KVPools, int, AttentionLayout], mx.array]
     queries: Callable[[nn.Module, mx.array, AttentionLayout], mx.array]
     after_attention: Callable[[nn.Module, mx.array, mx.array], mx.array]
-    window: int | None = None
+    windows: tuple[int | None, ...] = ()
 
     def __call__(
         self,
@@ -87,7 +90,7 @@ class Block:
         attn = block.self_attn
         x = self.write_kv(block, h, kv, layer, layout)
         layout, h, x = only_rows(rows, layout, h, x)
-        window = self.window if getattr(attn, "is_sliding", False) else None
+        window = self.windows[layer] if self.windows else None
         return self.after_attention(
             block, h, attend(attn, self.queries(attn, x, layout), kv, layer, layout, window)
         )
