@@ -88,16 +88,16 @@ class PromptBuilder:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, long_lane: bool = False):
         """long_lane: long texts are templated and tokenized by a second builder, on its own thread with its
         own copy of the tokenizer (a copy takes a second or two)."""
+        if "sanitize_control_tokens" not in inspect.signature(tokenizer.hf.apply_chat_template).parameters:
+            raise RuntimeError(
+                "this transformers cannot keep control tokens in chat messages as plain text "
+                "(apply_chat_template(sanitize_control_tokens=...)); upgrade transformers"
+            )
         if HARMONY_MARKER in str(tokenizer.chat_template or ""):
             raise ValueError(
                 "this model's chat template writes the Harmony format (gpt-oss): the server does not parse "
                 "its channels yet (reasoning, tool calls), so it is not served; the engine runs the model "
                 "(minivllm.LLM, token ids in and out)"
-            )
-        if "sanitize_control_tokens" not in inspect.signature(tokenizer.hf.apply_chat_template).parameters:
-            raise RuntimeError(
-                "this transformers cannot keep control tokens in chat messages as plain text "
-                "(apply_chat_template(sanitize_control_tokens=...)); upgrade transformers"
             )
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
