@@ -38,6 +38,15 @@ MIN_SCORES = 1 << 15  # queries x heads x keys below which MLX's lazy graph is c
 BLOCK = 128  # query rows per causal block
 FEW_ROWS = 64  # a KV head's query rows (its query heads x a block's queries) computed without BLAS
 
+# minivllm_attention's parameters, in cpu_attention.cpp's order
+ARGUMENTS = [
+    *[ctypes.c_void_p] * 3,  # q, k_pool, v_pool
+    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # slots, H, Hkv, D
+    ctypes.c_int64, ctypes.c_int64,  # n, start
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # run_slot, run_len, n_runs
+    ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,  # window, sinks, scale
+    ctypes.c_int, ctypes.c_int, ctypes.c_void_p,  # block, few_rows, out
+]  # fmt: skip
 _library: ctypes.CDLL | None = None
 
 
@@ -60,11 +69,7 @@ def load(sgemm_library: str | None, build_dir: Path) -> bool:
         return False
     library.minivllm_attention_init(ctypes.c_void_p(sgemm), ctypes.c_int(min(os.cpu_count() or 1, 8)))
     library.minivllm_attention.restype = None
-    library.minivllm_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    library.minivllm_attention.argtypes += [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    library.minivllm_attention.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    library.minivllm_attention.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    library.minivllm_attention.argtypes += [ctypes.c_void_p]
+    library.minivllm_attention.argtypes = ARGUMENTS
     _library = library
     return True
 
