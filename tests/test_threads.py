@@ -1,7 +1,8 @@
 """The engine stepped on a thread other than the one that loaded the model, as the server does (the model
 loads in a worker thread, the engine steps on its own): greedy tokens against mlx-lm's, for Llama-family
 models whose rope keeps its frequencies in a module array (llama3, yarn and longrope scaling), through
-every attention path, and through the HTTP server (issue 31).
+every attention path (the CPU backend's compiled kernel, and each path of MLX ops with the kernel off),
+and through the HTTP server (issue 31).
 
 MLX streams belong to a thread: an array left unevaluated at load is bound to the loading thread's
 stream, and no other thread can evaluate a graph that reaches it."""
@@ -13,7 +14,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from kernels import activations
+from kernels import activations, cpu_attention
 from kernels import paged_attention as pa
 from minivllm import LLM, SamplingParams
 from minivllm.models.loader import load_tokenizer
@@ -24,7 +25,8 @@ from tests.tiny_model import LLAMA3_ROPE_SCALING, make_tiny_llama_model
 
 MAX_TOKENS = 8
 DIGITS = "0123456789 "  # the report's prompt: DIGITS * 100 is 600 tokens
-CPU_ONLY_PATHS = {"numpy softmax", "numpy swiglu", "split"}  # large float32 work on the CPU backend only
+# large float32 work on the CPU backend only
+CPU_ONLY_PATHS = {"numpy softmax", "numpy swiglu", "split", "compiled kernel"}
 
 
 def on_thread(fn, *args):
@@ -109,6 +111,7 @@ def paths(monkeypatch) -> set[str]:
     spy(pa, "_gather_pages", lambda *_: seen.add("gathered"))
     spy(pa, "softmax_numpy", lambda *_: seen.add("numpy softmax"))
     spy(activations, "_swiglu_numpy", lambda *_: seen.add("numpy swiglu"))
+    spy(cpu_attention, "attention", lambda *_: seen.add("compiled kernel"))
     return seen
 
 
@@ -128,15 +131,23 @@ def fragment_pool(llm: LLM, every: int) -> None:
 
 # -- the engine on a stepping thread ---------------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    "attention, wanted",
+    [
+        ("compiled", {"compiled kernel", "numpy swiglu"}),  # the kernel's buffers are per calling thread
+        ("mlx", {"one run", "numpy softmax", "numpy swiglu"}),
+    ],
+)
 def test_the_reports_model_steps_on_threads_other_than_the_loading_one(
-    llama_dir, expected, prompts, paths, overlap
+    llama_dir, expected, prompts, paths, overlap, attention, wanted
 ):
-    llm = LLM(str(llama_dir), kv_cache_bytes=16 << 20, overlap=overlap)  # loads on this thread
+    # loads on this thread
+    llm = LLM(str(llama_dir), kv_cache_bytes=16 << 20, overlap=overlap, cpu_attention=attention)
     for _ in range(2):  # a new thread each time: nothing may depend on the first stepping thread
         outputs = on_thread(llm.generate, prompts, greedy())
         assert [c.token_ids for c in outputs] == [expected(p) for p in prompts]
         assert {c.finish_reason for c in outputs} == {"length"}
-    assert_took(paths, {"one run", "numpy softmax", "numpy swiglu"})
+    assert_took(paths, wanted)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +158,7 @@ def test_the_reports_model_steps_on_threads_other_than_the_loading_one(
     ],
 )
 def test_contexts_in_runs_of_pages_on_a_stepping_thread(llama_dir, expected, prompts, paths, every, wanted):
-    llm = LLM(str(llama_dir), kv_cache_bytes=16 << 20)
+    llm = LLM(str(llama_dir), kv_cache_bytes=16 << 20, cpu_attention="mlx")  # MLX ops' paths
     fragment_pool(llm, every)
     outputs = on_thread(llm.generate, prompts, greedy())
     assert [c.token_ids for c in outputs] == [expected(p) for p in prompts]
@@ -162,7 +173,7 @@ def test_attention_split_over_cpu_streams_created_on_the_stepping_thread(
     monkeypatch.setattr(pa, "PARALLEL_MIN_SCORES", 0)
     monkeypatch.setattr(pa, "_extra_streams", None)
     monkeypatch.setattr(pa.os, "cpu_count", lambda: 4)
-    llm = LLM(str(llama_dir), kv_cache_bytes=16 << 20)
+    llm = LLM(str(llama_dir), kv_cache_bytes=16 << 20, cpu_attention="mlx")
     outputs = on_thread(llm.generate, prompts, greedy())
     assert [c.token_ids for c in outputs] == [expected(p) for p in prompts]
     assert_took(paths, {"split", "numpy softmax"})
@@ -196,7 +207,7 @@ def test_small_llama_models_step_on_another_thread(tmp_path, rope, paths):
         intermediate_size=128,
         rope_scaling=ROPE_SCALINGS[rope],
     )
-    llm = LLM(str(model_dir), kv_cache_bytes=4 << 20)
+    llm = LLM(str(model_dir), kv_cache_bytes=4 << 20, cpu_attention="mlx")  # MLX ops' paths
     rng = random.Random(7)
     prompts = [[rng.randrange(362) for _ in range(n)] for n in (20, 300)]
     outputs = on_thread(llm.generate, prompts, greedy(16))
