@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
+from benchmarks.harness.limits import in_out_weight
 from benchmarks.harness.results import engine_metadata, mean_sd, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
 from kernels.paged_attention import build_layout
@@ -115,11 +116,9 @@ class Probes:
 
 
 def _batch1_product(layer: nn.Module) -> Callable[[], mx.array]:
-    if isinstance(layer, TransposedLinear):
-        x = mx.ones((1, layer.weight_t.shape[0]))
-        return lambda: x @ layer.weight_t
-    x = mx.ones((1, layer.weight.shape[1]))
-    return lambda: x @ layer.weight.T
+    weight = in_out_weight(layer)
+    x = mx.ones((1, weight.shape[0]))
+    return lambda: x @ weight
 
 
 def median_ms(fn: Callable[[], object], times: int) -> float:

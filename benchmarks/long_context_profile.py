@@ -28,7 +28,6 @@ import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 import contextlib
 import ctypes
 import random
-import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -39,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.harness.engine_timing import median_seconds
 from benchmarks.harness.limits import measure_limits
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
@@ -156,10 +156,10 @@ def one_layer_attention(model, context: int, rows: int, repeats: int) -> dict[st
     runs, start = [(0, context)], context - rows
     layout = pa.AttentionLayout([pa.SequenceContext(start, rows, runs)], 16, mx.zeros(1), mx.zeros(1))
     out = {
-        "compiled kernel: the call": _median(
+        "compiled kernel: the call": median_seconds(
             lambda: cpu_attention.attention(q, k_pool, v_pool, start, runs, scale, None), repeats
         ),
-        "MLX ops: the call": _median(
+        "MLX ops: the call": median_seconds(
             lambda: mx.eval(pa.paged_attention(q, k_pool, v_pool, layout, scale)), repeats
         ),
     }
@@ -199,7 +199,7 @@ def _blas_parts(q, k_pool, v_pool, start, rows, scale, repeats) -> dict[str, flo
                 sgemm(i(101), i(111), i(111), i(m), i(head_dim), i(keys), f(1), p(scores.ctypes.data),
                       i(keys), p(vg), i(head_dim), f(0), p(o.ctypes.data), i(head_dim))  # fmt: skip
 
-    return {"compiled kernel: BLAS products (QK^T, PV)": _median(products, repeats)}
+    return {"compiled kernel: BLAS products (QK^T, PV)": median_seconds(products, repeats)}
 
 
 def _mlx_parts(q, k_pool, v_pool, start, rows, scale, repeats) -> dict[str, float]:
@@ -233,17 +233,7 @@ def _mlx_parts(q, k_pool, v_pool, start, rows, scale, repeats) -> dict[str, floa
         parts["MLX ops: mask"] = mask
     parts["MLX ops: softmax" + (" (numpy)" if numpy_softmax else "")] = lambda: [softmax(s) for s in masked]
     parts["MLX ops: PV products"] = lambda: [p @ b[2] for p, b in zip(probs, blocks)]
-    return {name: _median(lambda fn=fn: mx.eval(fn()), repeats) for name, fn in parts.items()}
-
-
-def _median(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return {name: median_seconds(lambda fn=fn: mx.eval(fn()), repeats) for name, fn in parts.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

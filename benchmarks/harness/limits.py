@@ -9,13 +9,12 @@ the model's prefill shapes (compute limit of a prefill) and one batch-1 pass ove
     each sequence's c tokens of K/V (at the pass's bandwidth).
 """
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from benchmarks.harness.engine_timing import median_seconds
 from minivllm.models.cpu_layout import TransposedLinear
 
 
@@ -43,16 +42,18 @@ def measure_limits(model: nn.Module, kv_bytes_per_token: int, rows: int = 512, r
     head = getattr(model, "lm_head", None)  # None: tied to the embedding
     layers = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, TransposedLinear))]
     # [in, out] views (no copy) in the layout the engine keeps
-    weights = [_weight(m) for m in layers if m is not head]
-    weights_and_head = weights + [_weight(head) if head is not None else model.model.embed_tokens.weight.T]
+    weights = [in_out_weight(m) for m in layers if m is not head]
+    weights_and_head = weights + [
+        in_out_weight(head) if head is not None else model.model.embed_tokens.weight.T
+    ]
     args = model.args
     heads = args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     big = max(weights, key=lambda w: w.size)  # the largest layer's shape: the prefill's typical product
     x = mx.ones((rows, big.shape[0]))
-    matmul_s = _median(lambda: mx.eval(x @ big), repeats)
+    matmul_s = median_seconds(lambda: mx.eval(x @ big), repeats)
     ones = {w.shape[0]: mx.ones((1, w.shape[0])) for w in weights_and_head}
-    pass_s = _median(lambda: mx.eval([ones[w.shape[0]] @ w for w in weights_and_head]), repeats)
+    pass_s = median_seconds(lambda: mx.eval([ones[w.shape[0]] @ w for w in weights_and_head]), repeats)
     return Limits(
         matmul_flops=2 * rows * big.size / matmul_s,
         weight_pass_s=pass_s,
@@ -63,15 +64,6 @@ def measure_limits(model: nn.Module, kv_bytes_per_token: int, rows: int = 512, r
     )
 
 
-def _weight(layer: nn.Module) -> mx.array:
+def in_out_weight(layer: nn.Module) -> mx.array:
+    """A linear layer's weight as [in, out], a view in the layout the engine keeps (no copy)."""
     return layer.weight_t if isinstance(layer, TransposedLinear) else layer.weight.T
-
-
-def _median(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
