@@ -161,14 +161,12 @@ void attend_group(const Block& b, const std::vector<Piece>& ps, int softmax_thre
   column = 0;
   if (few) std::fill(o_rows.begin(), o_rows.end(), 0.f);
   for (size_t i = 0; i < ps.size(); ++i) {
-    if (few) {
+    if (few)
       few_rows_values(scores.data() + column, M, D, b.v_head + ps[i].slot * D, ps[i].len, b.width,
                       o_rows.data());
-      column += ps[i].len;
-      continue;
-    }
-    sgemm(kRowMajor, kNoTrans, kNoTrans, M, D, (int)ps[i].len, 1.f, scores.data() + column, (int)b.width,
-          b.v_head + ps[i].slot * D, D, i == 0 ? 0.f : 1.f, o_rows.data(), D);
+    else
+      sgemm(kRowMajor, kNoTrans, kNoTrans, M, D, (int)ps[i].len, 1.f, scores.data() + column, (int)b.width,
+            b.v_head + ps[i].slot * D, D, i == 0 ? 0.f : 1.f, o_rows.data(), D);
     column += ps[i].len;
   }
   for (int j = 0; j < b.rep; ++j)
@@ -192,10 +190,9 @@ void minivllm_attention_init(void* cblas_sgemm, int num_threads) {
 // q: [n, H, D] (the sequence's n new tokens, at positions start .. start + n - 1); k_pool, v_pool:
 // [Hkv, slots, D]; runs: the context's (first slot, slots) in order, covering positions 0 .. start + n
 // - 1; window: a sliding window's size, 0 for none; sinks: [H] sink logits, or null; block: queries per
-// causal block; few_rows: a group's
-// query rows (heads sharing a KV head x the block's queries) up to which the groups run side by side, each
-// on one core with plain loops (decode), where above it they run one after the other with BLAS and the
-// softmax on every core. out: [n, H, D].
+// causal block; few_rows: a group's query rows (heads sharing a KV head x the block's queries) up to which
+// the groups run side by side, each on one core with plain loops (decode), where above it they run one
+// after the other with BLAS and the softmax on every core. out: [n, H, D].
 void minivllm_attention(const float* q, const float* k_pool, const float* v_pool, int64_t slots, int H,
                         int Hkv, int D, int64_t n, int64_t start, const int64_t* run_slot,
                         const int64_t* run_len, int n_runs, int64_t window, const float* sinks, float scale,
