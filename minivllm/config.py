@@ -85,6 +85,11 @@ class EngineConfig:
     kv_disk_bytes: int | None = None  # None: 10% of the disk's free space, at most 20 GiB
     # the cache advice (minivllm.shadow) replays the page hashes of the last this many requests; 0: off
     shadow_requests: int = 2000
+    # hybrid models (linear-attention layers with a recurrent state): the share of the KV budget their
+    # state snapshots may take, and the tokens between the snapshots a long prompt or output keeps (a
+    # multiple of page_size; prompts' ends keep one too: minivllm.cache.kv_manager)
+    state_cache_fraction: float = 0.25
+    state_snapshot_tokens: int = 1024
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +118,11 @@ class EngineConfig:
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
         _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")
         _check(self.shadow_requests >= 0, "shadow_requests must be >= 0")
+        _check(0 < self.state_cache_fraction < 1, "state_cache_fraction must be in (0, 1)")
+        _check(
+            self.state_snapshot_tokens >= self.page_size and self.state_snapshot_tokens % self.page_size == 0,
+            "state_snapshot_tokens must be a multiple of page_size",
+        )
         _check(
             self.kv_disk_dir is None or self.enable_prefix_caching,
             "kv_disk_dir is a tier of the prefix cache: it needs the prefix cache on",

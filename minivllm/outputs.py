@@ -107,6 +107,14 @@ class EngineStats:
     kv_disk_write_errors: int | None = None
     kv_disk_bytes_written: int | None = None
     kv_disk_bytes_read: int | None = None
+    # a hybrid model's recurrent-state snapshots (minivllm.cache.state_snapshots), in RAM and on disk
+    state_snapshots: int | None = None
+    state_snapshot_bytes: int | None = None
+    state_snapshot_capacity_bytes: int | None = None
+    state_snapshots_kept: int | None = None
+    state_snapshots_dropped: int | None = None
+    state_snapshots_restored: int | None = None
+    state_disk_snapshots: int | None = None
     # single flight's
     flights_opened: int | None = None
     followers_coalesced: int | None = None

@@ -31,6 +31,12 @@ _GAUGES = (
     ("minivllm_kv_disk_pages", "KV pages on the disk tier", "kv_disk_pages"),
     ("minivllm_kv_disk_bytes", "Bytes the disk tier's page files occupy", "kv_disk_bytes"),
     ("minivllm_kv_disk_capacity_bytes", "The disk tier's budget in bytes", "kv_disk_capacity_bytes"),
+    ("minivllm_state_snapshots", "Recurrent-state snapshots kept in RAM (hybrid models)", "state_snapshots"),
+    (
+        "minivllm_state_snapshot_bytes",
+        "Bytes the recurrent-state snapshots take in RAM",
+        "state_snapshot_bytes",
+    ),
 )
 _COUNTERS = (
     ("minivllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_query_tokens"),
@@ -57,6 +63,11 @@ _COUNTERS = (
         "kv_disk_writes_dropped",
     ),
     ("minivllm_pages_evicted", "Cached KV pages evicted", "pages_evicted"),
+    (
+        "minivllm_state_snapshots_restored",
+        "Restores that resumed a hybrid model's recurrent state from a snapshot",
+        "state_snapshots_restored",
+    ),
     (
         "minivllm_pages_unreachable",
         "Cached KV pages freed because a page of their prefix was evicted (0 under a prefix-aware policy)",

@@ -31,7 +31,7 @@ class PrefixReport:
     time: float  # Unix time of the report
     prompt_tokens: int
     restored_tokens: int
-    miss: str | None = None  # None: restored all it could; else "evicted", "new" or "off"
+    miss: str | None = None  # None: restored all it could; else "evicted", "new", "no_state" or "off"
     miss_token: int | None = None  # the first token of the first page not restored
     miss_message: int | None = None  # the message holding it (chat-shaped requests)
     ttft_s: float | None = None  # from the request's arrival to its first output (every choice's)

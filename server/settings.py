@@ -233,6 +233,20 @@ OPTIONS: tuple[Option, ...] = (
         "the most tokens drafted in one step (all requests together)",
     ),
     _engine(
+        "state_cache_fraction",
+        "MINIVLLM_STATE_CACHE_FRACTION",
+        float,
+        float,
+        "hybrid models: the share of the KV budget their recurrent-state snapshots may take",
+    ),
+    _engine(
+        "state_snapshot_tokens",
+        "MINIVLLM_STATE_SNAPSHOT_TOKENS",
+        int,
+        _parse_int,
+        "hybrid models: tokens between the recurrent-state snapshots a long prompt keeps (prompt ends keep one too)",
+    ),
+    _engine(
         "cache_shadow_requests",
         "MINIVLLM_CACHE_SHADOW_REQUESTS",
         int,

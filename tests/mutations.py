@@ -46,6 +46,7 @@ SPECULATIVE_TESTS = ("tests/test_speculative.py",)
 PINS_TESTS = ("tests/test_pins.py",)
 LAYOUT = "minivllm/models/cpu_layout.py"
 LAYOUT_TESTS = ("tests/test_cpu_layout.py",)
+HYBRID_TESTS = ("tests/test_hybrid.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -1294,6 +1295,63 @@ MUTATIONS = [
         "        return self._compiled((domain, text)).deep_copy()",
         "        return self._compiled((None, text)).deep_copy()",
         ("tests/test_hardening.py", "-k", "cache_domain"),
+    ),
+    # -- hybrid models: the recurrent state and its snapshots -------------------------------------------------
+    Mutation(
+        "hybrid-restore-from-zeros",
+        "a hybrid model's restored prefix resumes from a zero state instead of its snapshot",
+        RUNNER,
+        "            begin = seq.cache.restored_state  # its admission restored a cached prefix",
+        "            begin = None",
+        HYBRID_TESTS,
+    ),
+    Mutation(
+        "hybrid-restore-without-state",
+        "a hybrid model restores cached pages that have no snapshot at their end",
+        KV_MANAGER,
+        "        if self.snapshots is not None and resumable:",
+        "        if False:",
+        HYBRID_TESTS,
+    ),
+    Mutation(
+        "hybrid-snapshot-outlives-page",
+        "a snapshot is kept after the pool evicted its page",
+        KV_MANAGER,
+        "            pool.on_drop = self.snapshots.drop",
+        "            pass",
+        HYBRID_TESTS,
+    ),
+    Mutation(
+        "hybrid-decode-batch-states",
+        "every decode token of a batch keeps the first sequence's state",
+        "minivllm/models/linear_attention.py",
+        "            states.seqs[j].delta.append(delta[i : i + 1])",
+        "            states.seqs[j].delta.append(delta[0:1])",
+        HYBRID_TESTS,
+    ),
+    Mutation(
+        "hybrid-no-branch-point",
+        "no snapshot where a prompt leaves the cached prompts",
+        KV_MANAGER,
+        "            or p == req.branch_pages * size\n",
+        "",
+        HYBRID_TESTS,
+    ),
+    Mutation(
+        "hybrid-waiter-state-unwanted",
+        "a prefix flight's prefill keeps no state where its waiters' shared pages end",
+        SCHEDULER,
+        "        self.kv.want_state(seq.cache, shared)",
+        "        pass",
+        HYBRID_TESTS,
+    ),
+    Mutation(
+        "hybrid-unread-state-used",
+        "a state the disk tier could not read is used all the same",
+        KV_MANAGER,
+        "complete = n == len(r.read.records) and (r.state is None or r.state.num_ok == 1)",
+        "complete = n == len(r.read.records)",
+        HYBRID_TESTS,
     ),
 ]
 

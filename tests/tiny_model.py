@@ -211,6 +211,14 @@ TINY_FAMILY_CONFIG = {
 }
 
 
+HYBRID_OPTIONS = {
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+}
 PHI3_ROPE_DIMS = 24  # partial_rotary_factor 0.75 of head_dim 32
 # each supported family with its distinctive options (tests/test_families.py, benchmarks/families.py)
 FAMILY_OPTIONS = {
@@ -268,6 +276,22 @@ FAMILY_OPTIONS = {
         "partial_rotary_factor": 0.5,
         "rope_scaling": None,
     },
+    # hybrids: gated delta net layers (a recurrent state each, a convolution of 4) and a gated attention
+    # layer every second one, the last layer a linear one; Qwen3-Next's fused projections and sparse
+    # block (a dense layer 1), rope on a quarter of each head
+    "qwen3_next": {
+        "num_hidden_layers": 3,
+        **HYBRID_OPTIONS,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [1],
+        "moe_intermediate_size": 64,
+        "partial_rotary_factor": 0.25,
+        "norm_topk_prob": True,
+    },
+    "qwen3_5": {"num_hidden_layers": 4, **HYBRID_OPTIONS},  # the last layer an attention one
     # gpt-oss's options: a sliding (window 40, mid-page, inside the long prompt) and a full layer, attention
     # sinks, experts with its clamped SwiGLU and biases, yarn rope
     "gpt_oss": {

@@ -19,6 +19,11 @@ that asks for pins (CacheHints.pins) pins its published prompt prefixes when it 
 pinned prefix refreshes its pin. With a disk tier, pinned pages are also written to disk (if the disk lacks
 them), and the disk keeps them while they are pinned. At a request's first admission its restore is
 explained: where it stopped short, and why (PrefixMiss).
+
+A hybrid model (linear-attention layers with a recurrent state) restores a prefix only up to a page
+whose end has a snapshot of that state (minivllm.cache.state_snapshots): the runner keeps the state at
+the points `state_points` names (every snapshot_every tokens, the end of what a prompt may restore, the
+pages a prefix flight's waiter stops at) and `publish_states` keeps them beside their published pages.
 """
 
 import time
@@ -32,6 +37,9 @@ from minivllm.cache.eviction import make_policy
 from minivllm.cache.kv_request import KVRequest, MissReason, PrefixMiss
 from minivllm.cache.page_pool import PagePool, PoolCounters
 from minivllm.cache.pins import PinChange, PinCounters, PinInfo, Pins
+from minivllm.cache.state_snapshots import Snapshot, StateSnapshots
+
+MAX_WANTED_STATES = 4096  # page hashes whose state a waiting request wants kept (a bound, not a limit)
 
 
 @dataclass
@@ -46,11 +54,21 @@ class PoolState:
 
 @dataclass(eq=False)
 class DiskRestore:
-    """A request's prefix pages being read from disk into the pool pages page_table[first:] holds."""
+    """A request's prefix pages being read from disk into the pool pages page_table[first:] holds, and a
+    hybrid model's recurrent state at their end (from the state tier: `state`)."""
 
     req: KVRequest
     first: int
     read: DiskRead
+    state: DiskRead | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.read.done and (self.state is None or self.state.done)
+
+    @property
+    def reads(self) -> list[DiskRead]:
+        return [self.read] + ([self.state] if self.state is not None else [])
 
 
 @dataclass
@@ -70,12 +88,23 @@ class KVManager:
         enable_prefix_caching: bool = True,
         disk: DiskTier | None = None,
         clock: Callable[[], float] = time.monotonic,
+        snapshots: StateSnapshots | None = None,
+        snapshot_every: int = 1024,
+        state_disk: DiskTier | None = None,
     ):
+        """snapshots: a hybrid model's recurrent-state snapshots (None for other models); snapshot_every:
+        tokens between the snapshots a long prompt or output keeps (a multiple of page_size); state_disk:
+        the disk tier of those snapshots (one file per snapshot, named by its page's hash), beside `disk`."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.eviction = eviction
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock  # the pins' TTLs run on it
+        self.snapshots = snapshots
+        self.snapshot_every = snapshot_every
+        self.wanted_states: set[bytes] = set()
+        self.state_disk = state_disk
+        self._state_writes: list[tuple[PageRecord, object]] = []
         self.pool = self._new_pool(PoolCounters())
         self.pins = self._new_pins(PinCounters())
         self.disk = disk
@@ -85,6 +114,9 @@ class KVManager:
     def _new_pool(self, counters: PoolCounters) -> PagePool:
         pool = PagePool(self.num_pages, self.page_size, make_policy(self.eviction, self.num_pages))
         pool.counters = counters
+        if self.snapshots is not None:
+            self.snapshots.clear()
+            pool.on_drop = self.snapshots.drop  # a snapshot lives no longer than its page
         return pool
 
     def _new_pins(self, counters: PinCounters) -> Pins:
@@ -116,17 +148,22 @@ class KVManager:
     def counters(self) -> PoolCounters:
         return self.pool.counters
 
-    def cached_prefix_pages(self, req: KVRequest) -> int:
-        """How many pages of req's longest cached prefix admission would restore now."""
-        return len(self._cached_prefix(req))
+    def cached_prefix_pages(self, req: KVRequest, resumable: bool = True) -> int:
+        """How many pages of req's longest cached prefix admission would restore now (resumable=False: the
+        pages cached, whether a hybrid model's state is kept at their end or not)."""
+        return len(self._cached_prefix(req, resumable))
 
-    def _cached_prefix(self, req: KVRequest) -> list[int]:
+    def _cached_prefix(self, req: KVRequest, resumable: bool = True) -> list[int]:
         """The pages of req's longest cached prefix. The last token is always computed, for its logits:
         at most floor((N-1)/P) pages of N tokens."""
         if not self.enable_prefix_caching:
             return []
         hashes = req.full_page_hashes(self.page_size)
-        return self.pool.lookup(hashes, req.token_ids, self._restorable_pages(req))
+        pages = self.pool.lookup(hashes, req.token_ids, self._restorable_pages(req))
+        if self.snapshots is not None and resumable:  # a hybrid model resumes only where a state was kept
+            while pages and hashes[len(pages) - 1] not in self.snapshots:
+                pages.pop()
+        return pages
 
     def _restorable_pages(self, req: KVRequest) -> int:
         return (len(req.token_ids) - 1) // self.page_size
@@ -144,14 +181,19 @@ class KVManager:
         restored from RAM, or None (nothing changed) when the pool cannot hold it now. Pages the disk
         tier continues the prefix with start being read into the first allocated pages: req is
         restoring until apply_restores."""
-        hits = self._cached_prefix(req)
+        state_record = None
+        if self.snapshots is None:
+            hits = self._cached_prefix(req)
+        else:
+            hits, on_disk, state_record = self._resume_point(req)
         need = self.pages_for(len(req.token_ids)) - len(hits)
         self._unblock(req, hits, need)
         # acquiring un-caches them (pinned ones were not counted as available)
         taken_off_cache = sum(1 for p in hits if self.pool.refcount[p] == 0 and not self.pool.is_idle_pin(p))
         if need > self.num_available() - taken_off_cache:
             return None
-        on_disk = self._on_disk(req, len(hits))
+        if self.snapshots is None:
+            on_disk = self._on_disk(req, len(hits))
         if not req.admitted:  # before the allocation evicts what the prompt is compared with
             req.prefix_miss = self._miss(req, len(hits) + len(on_disk))
         req.admitted = True
@@ -160,9 +202,85 @@ class KVManager:
         req.page_table = hits + self.pool.allocate(need, after=hits[-1] if hits else None)
         req.num_computed_tokens = len(hits) * self.page_size
         req.publish_cursor = len(hits)
-        if on_disk:
-            self.restores[req] = DiskRestore(req, len(hits), self.disk.read(on_disk))
+        req.restored_state = None
+        if self.snapshots is not None and state_record is None and hits:  # a hybrid model's state, in RAM
+            req.restored_state = self.snapshots.get(req.full_page_hashes(self.page_size)[len(hits) - 1]).state
+            self.snapshots.counters.snapshots_restored += 1
+        if on_disk or state_record is not None:
+            state = self.state_disk.read([state_record]) if state_record is not None else None
+            self.restores[req] = DiskRestore(req, len(hits), self.disk.read(on_disk), state)
         return req.num_computed_tokens
+
+    def _resume_point(self, req: KVRequest) -> tuple[list[int], list[PageRecord], PageRecord | None]:
+        """A hybrid model's restore: the deepest page of its cached prefix (RAM, then disk) whose end has a
+        snapshot, in RAM or in the state tier. The RAM pages up to it, the disk pages up to it, and the
+        state tier's record when the snapshot is read from there (None: it is in RAM, or no page is)."""
+        pages = self._cached_prefix(req, resumable=False)
+        on_disk = self._on_disk(req, len(pages))
+        hashes = req.full_page_hashes(self.page_size)
+        req.branch_pages = len(pages) + len(on_disk)  # where its prompt leaves the cached ones
+        for k in range(len(pages) + len(on_disk), 0, -1):
+            h = hashes[k - 1]
+            record = None
+            if h not in self.snapshots:
+                if self.state_disk is None or not self.state_disk.contains(h):
+                    continue
+                tokens = tuple(req.token_ids[(k - 1) * self.page_size : k * self.page_size])
+                record = PageRecord(h, hashes[k - 2] if k > 1 else None, tokens)
+            return pages[:k], on_disk[: max(0, k - len(pages))], record
+        return [], [], None
+
+    # -- recurrent-state snapshots (hybrid models) --------------------------------------------------
+    def state_points(self, req: KVRequest, start: int, end: int) -> list[int]:
+        """The page boundaries in (start, end] where the runner keeps req's recurrent state for a
+        snapshot: every snapshot_every tokens, the end of the pages a prompt may restore (a retry, a
+        fan-out, the next turn find it), where its prompt leaves the cached prompts (the next request that
+        shares as much resumes there), and pages a waiting request wants."""
+        if self.snapshots is None or not self.enable_prefix_caching:
+            return []
+        size, n = self.page_size, req.num_prompt_tokens
+        prompt_ends = ((n - 1) // size * size, n // size * size)  # a retry's restore, a longer prompt's
+        hashes = req.full_page_hashes(size)
+        return [
+            p
+            for p in range((start // size + 1) * size, end + 1, size)
+            if p % self.snapshot_every == 0
+            or p in prompt_ends
+            or p == req.branch_pages * size
+            or (
+                self.wanted_states
+                and p // size <= len(hashes)
+                and hashes[p // size - 1] in self.wanted_states
+            )
+        ]
+
+    def want_state(self, req: KVRequest, pages: int) -> None:
+        """req waits for a prefix flight whose shared pages end at page `pages`: the prefill computing
+        them keeps the state there."""
+        if self.snapshots is not None and pages:
+            if len(self.wanted_states) >= MAX_WANTED_STATES:
+                self.wanted_states.clear()
+            self.wanted_states.add(req.full_page_hashes(self.page_size)[pages - 1])
+
+    def publish_states(self, req: KVRequest, states: list) -> list:
+        """Keep the states (each with .tokens at a page boundary and .nbytes) whose pages are published as
+        snapshots; those past what the evaluated steps computed are returned, to come back later."""
+        if self.snapshots is None:
+            return []
+        hashes, later = req.full_page_hashes(self.page_size), []
+        for state in states:
+            if state.tokens > req.num_computed_tokens:
+                later.append(state)
+                continue
+            h = hashes[state.tokens // self.page_size - 1]
+            if h in self.pool.index:  # else the page is not cached (its prefix was evicted)
+                self.snapshots.put(h, Snapshot(state.tokens, state, state.nbytes))
+                self.wanted_states.discard(h)
+                if self.state_disk is not None:
+                    i = state.tokens // self.page_size - 1
+                    tokens = tuple(req.token_ids[i * self.page_size : (i + 1) * self.page_size])
+                    self._state_writes.append((PageRecord(h, hashes[i - 1] if i else None, tokens), state))
+        return later
 
     def _unblock(self, req: KVRequest, hits: list[int], need: int) -> None:
         """Pins never keep a request out for good: while it could not fit even with every unpinned page
@@ -183,6 +301,8 @@ class KVManager:
             return None
         if not self.enable_prefix_caching:
             return PrefixMiss(0, MissReason.OFF)
+        if found < req.branch_pages:  # a hybrid model's pages, cached without a state at their end
+            return PrefixMiss(found * self.page_size, MissReason.NO_STATE)
         hashes = req.full_page_hashes(self.page_size)
         if hashes[found] in self.pool.evicted:
             return PrefixMiss(found * self.page_size, MissReason.EVICTED)
@@ -204,23 +324,49 @@ class KVManager:
 
     def wait_for_restores(self, timeout: float) -> None:
         """Until a pending disk read is done (the engine has nothing else to step), at most timeout s."""
-        if self.restores:
-            self.disk.wait_for_reads([r.read for r in self.restores.values()], timeout)
+        pending = [
+            (self.disk, r.read) if not r.read.done else (self.state_disk, r.state)
+            for r in self.restores.values()
+        ]
+        if pending:
+            tier = pending[0][0]
+            tier.wait_for_reads([read for t, read in pending if t is tier], timeout)
 
     def apply_restores(
-        self, write_pages: Callable[[list[int], np.ndarray], None]
-    ) -> list[tuple[KVRequest, int]]:
+        self,
+        write_pages: Callable[[list[int], np.ndarray], None],
+        read_state: Callable[[np.ndarray, int], object] | None = None,
+    ) -> list[tuple[KVRequest, int | None]]:
         """Finish the disk reads that are done: write_pages(pages, payloads) puts the bytes into the pools
         (the engine's runner, on the stepping thread), then the pages are published and computed. Each
         request with the tokens it got from disk (a prefix of what it asked for: the first page the
-        disk could not serve, and those after it, are computed instead)."""
+        disk could not serve, and those after it, are computed instead).
+
+        A hybrid model's restore resumes at its last page only, with the state read_state(payload, tokens)
+        makes: if a page or the state could not be read, the request gives its pages back (those read
+        stay cached) and gets None: the scheduler admits it again, and it restores what is still there."""
         restored = []
-        for r in [r for r in self.restores.values() if r.read.done]:
+        for r in [r for r in self.restores.values() if r.done]:
             del self.restores[r.req]
             n = r.read.num_ok
             if n:
                 write_pages(r.req.page_table[r.first : r.first + n], r.read.payloads[:n])
+            if self.snapshots is None:
+                self._publish_restored(r.req, r.first, n)
+                restored.append((r.req, n * self.page_size))
+                continue
+            complete = n == len(r.read.records) and (r.state is None or r.state.num_ok == 1)
             self._publish_restored(r.req, r.first, n)
+            if not complete:
+                restored.append((r.req, None))
+                continue
+            if r.state is not None:
+                tokens = (r.first + n) * self.page_size
+                r.req.restored_state = read_state(r.state.payloads[0], tokens)
+                self.snapshots.put(
+                    r.state.records[0].hash,
+                    Snapshot(tokens, r.req.restored_state, r.state.payloads[0].nbytes),
+                )
             restored.append((r.req, n * self.page_size))
         return restored
 
@@ -237,7 +383,8 @@ class KVManager:
     def _cancel_restore(self, req: KVRequest) -> None:
         r = self.restores.pop(req, None)
         if r is not None:
-            r.read.cancelled = True  # the reader stops; its bytes are never applied
+            for read in r.reads:
+                read.cancelled = True  # the reader stops; its bytes are never applied
 
     def grow(self, req: KVRequest, num_tokens: int) -> None:
         """Give req pages for num_tokens (the caller checked that they are available)."""
@@ -324,10 +471,19 @@ class KVManager:
     def pin_counters(self) -> PinCounters:
         return self.pins.counters
 
-    def write_behind(self, read_pages: Callable[[list[int]], np.ndarray]) -> None:
+    def write_behind(
+        self,
+        read_pages: Callable[[list[int]], np.ndarray],
+        state_payloads: Callable[[list[object]], np.ndarray] | None = None,
+    ) -> None:
         """Hand the pages published since the last call, and not on disk yet, to the disk's writer:
         read_pages(pages) copies their KV out of the pools (the engine's runner, after the step's
-        evaluation). A page that stopped holding its hash since (evicted, reused) is skipped."""
+        evaluation). A page that stopped holding its hash since (evicted, reused) is skipped. A hybrid
+        model's snapshots kept since go to the state tier: state_payloads(states) makes their bytes."""
+        states = [(rec, st) for rec, st in self._state_writes if not self.state_disk.contains(rec.hash)]
+        self._state_writes = []
+        if states:
+            self.state_disk.write([rec for rec, _ in states], state_payloads([st for _, st in states]))
         writes = [
             w
             for w in self._disk_writes
@@ -347,6 +503,7 @@ class KVManager:
         req.page_table = []
         req.num_computed_tokens = 0
         req.publish_cursor = 0
+        req.restored_state = None
 
     def reset(self, holders: list[KVRequest]) -> None:
         """Start afresh after a fault that may have left the bookkeeping or the KV half-updated: holders
@@ -356,7 +513,7 @@ class KVManager:
             self.forget(req)
         for req in list(self.restores):
             self._cancel_restore(req)
-        self._disk_writes = []
+        self._disk_writes, self._state_writes = [], []
         if self.disk is not None:
             self.disk.unpin(self.pins.clear())  # the pins go with the pool
         self.pool = self._new_pool(self.pool.counters)
@@ -365,6 +522,8 @@ class KVManager:
     def clear_cache(self) -> None:
         self._unpin(self.pins.clear())
         self.pool.clear_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
 
     def disk_stats(self) -> dict:
         return self.disk.stats() if self.disk is not None else {}
@@ -376,9 +535,12 @@ class KVManager:
             return
         for req in list(self.restores):
             self._cancel_restore(req)
-        self._disk_writes = []
+        self._disk_writes, self._state_writes = [], []
         self.disk.close()
         self.disk = None
+        if self.state_disk is not None:
+            self.state_disk.close()
+            self.state_disk = None
 
     # -- invariants -----------------------------------------------------------------------------------
     def check_invariants(self, holders: list[KVRequest]) -> None:
@@ -391,3 +553,6 @@ class KVManager:
         for req in holders:
             assert not free.intersection(req.page_table), f"{req.request_id} holds a free page"
         assert set(self.restores) <= set(holders), "a request restores pages it does not hold"
+        if self.snapshots is not None:
+            assert self.snapshots.by_hash.keys() <= self.pool.index.keys(), "a snapshot outlived its page"
+            assert self.snapshots.nbytes <= self.snapshots.capacity_bytes, "snapshots over their budget"

@@ -14,6 +14,7 @@ class MissReason(StrEnum):
     EVICTED = "evicted"  # cached once and given up lately
     NEW = "new"  # never cached (or long ago)
     OFF = "off"  # the prefix cache is off
+    NO_STATE = "no_state"  # a hybrid model's pages are cached, but no recurrent state at their end
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class KVRequest:
         None  # why its first restore stopped short of the whole prompt, if it did
     )
     pins: list[PinInfo] = field(default_factory=list)  # what hints.pins got, once the request ended
+    # a hybrid model's recurrent state at the end of the pages its admission restored (the engine's,
+    # opaque here; minivllm.cache.state_snapshots), None when it restored none
+    restored_state: object | None = None
+    branch_pages: int = 0  # a hybrid model's: the pages of its prompt cached at admission, resumable or not
 
     def full_page_hashes(self, page_size: int) -> list[bytes]:
         if len(self.page_hashes) < len(self.token_ids) // page_size:

@@ -17,6 +17,7 @@ it evicted lately (a bounded memory), so that a lookup that stops can tell an ev
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minivllm.cache.eviction import EvictionPolicy
@@ -56,6 +57,7 @@ class PagePool:
         self.num_pinned_cached = 0  # pinned pages with refcount 0
         self.evicted: OrderedDict[bytes, None] = OrderedDict()  # hashes evicted lately, oldest first
         self.counters = PoolCounters()
+        self.on_drop: Callable[[bytes], None] | None = None  # told of each hash that stops being published
 
     # -- counts -------------------------------------------------------------------------------------
     @property
@@ -187,6 +189,8 @@ class PagePool:
                 self.policy.remove(child)
         assert h not in self.pinned, "a pinned page was evicted"
         page = self.index.pop(h)
+        if self.on_drop is not None:
+            self.on_drop(h)
         self._remember_evicted(h)
         siblings = self.children.get(self.parent.pop(h))
         if siblings is not None:

@@ -20,16 +20,25 @@ from minivllm.cache.hints import CacheHints
 from minivllm.cache.kv_manager import KVManager
 from minivllm.cache.kv_request import KVRequest
 from minivllm.cache.page_file import TierIdentity
+from minivllm.cache.state_snapshots import StateSnapshots
 from minivllm.config import EngineConfig, default_kv_cache_bytes
 from minivllm.engine.grammar import GrammarCompiler, MaskCounters
-from minivllm.engine.model_runner import KV_LAYOUT_VERSION, KVGeometry, LaunchedStep, ModelRunner
+from minivllm.engine.model_runner import (
+    KV_LAYOUT_VERSION,
+    STATE_LAYOUT_VERSION,
+    KVGeometry,
+    LaunchedStep,
+    ModelRunner,
+)
 from minivllm.engine.sampling_params import SamplingParams
 from minivllm.engine.scheduler import ScheduledStep, Scheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.token_gaps import TokenGaps
 from minivllm.engine.validation import RequestError, check_request
 from minivllm.models.backend import OPENBLAS_PATH, detect_backend
+from minivllm.models.families import architecture_of
 from minivllm.models.identity import model_digest
+from minivllm.models.linear_attention import state_nbytes
 from minivllm.models.loader import activation_dtype, cache_dir, load_model, module_arrays
 from minivllm.outputs import EngineStats, FinishReason, QueueFull, RequestOutput
 
@@ -63,15 +72,36 @@ class LLMEngine:
         self.overlap = config.overlap if config.overlap is not None else self._overlap_by_default()
         self.vocab_size = self.model_config["vocab_size"]
         geometry = KVGeometry.of(self.model, activation_dtype(self.model))
-        self.num_pages = num_pages = self._num_pages(geometry)
-        disk = self._open_disk_tier(geometry)
-        self.kv = KVManager(num_pages, config.page_size, config.eviction, config.enable_prefix_caching, disk)
+        self.hybrid = architecture_of(self.model).num_linear_layers > 0
+        if self.hybrid and config.speculative != "off":
+            # a rejected draft would leave its trace in the recurrent state
+            logger.warning("speculative decoding off: a hybrid model's recurrent state cannot roll back")
+            self.config = config = replace(config, speculative="off")
+        snapshots = StateSnapshots(self._state_cache_bytes()) if self.hybrid else None
+        self.num_pages = num_pages = self._num_pages(geometry, snapshots)
+        disk, state_disk = self._open_disk_tier(geometry)
+        self.kv = KVManager(
+            num_pages,
+            config.page_size,
+            config.eviction,
+            config.enable_prefix_caching,
+            disk,
+            snapshots=snapshots,
+            snapshot_every=config.state_snapshot_tokens,
+            state_disk=state_disk,
+        )
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
         # what the cache advice replays (minivllm.shadow): each request's page hashes, no tokens
         self.hash_stream = HashStream(config.shadow_requests) if config.shadow_requests else None
         self.mask_counters = MaskCounters()
         self.runner = ModelRunner(
-            self.model, geometry, num_pages, config.page_size, self.mask_counters, self._cpu_kernel()
+            self.model,
+            geometry,
+            num_pages,
+            config.page_size,
+            self.mask_counters,
+            self._cpu_kernel(),
+            self.kv.state_points,
         )
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
@@ -109,8 +139,15 @@ class LLMEngine:
             return False
         return cpu_attention.load(OPENBLAS_PATH, cache_dir() / "kernels")
 
-    def _num_pages(self, geometry: KVGeometry) -> int:
-        budget = self.config.kv_cache_bytes or default_kv_cache_bytes(self.config.kv_cache_fraction)
+    def _kv_budget(self) -> int:
+        return self.config.kv_cache_bytes or default_kv_cache_bytes(self.config.kv_cache_fraction)
+
+    def _state_cache_bytes(self) -> int:
+        """A hybrid model's snapshots' share of the KV budget: state_cache_fraction of it."""
+        return int(self._kv_budget() * self.config.state_cache_fraction)
+
+    def _num_pages(self, geometry: KVGeometry, snapshots: StateSnapshots | None) -> int:
+        budget = self._kv_budget() - (snapshots.capacity_bytes if snapshots is not None else 0)
         num_pages = budget // (geometry.bytes_per_token * self.config.page_size)
         if num_pages < 2:
             raise ValueError(
@@ -118,12 +155,13 @@ class LLMEngine:
             )
         return num_pages
 
-    def _open_disk_tier(self, geometry: KVGeometry) -> DiskTier | None:
-        """The disk tier config.kv_disk_dir names, or None. A directory another process holds is an error;
-        one that cannot be used (unwritable, not a directory) leaves the engine serving from RAM alone,
-        with a warning."""
+    def _open_disk_tier(self, geometry: KVGeometry) -> tuple[DiskTier | None, DiskTier | None]:
+        """The disk tier config.kv_disk_dir names, or None; and a hybrid model's state tier in its states/
+        directory (state_cache_fraction of the budget). A directory another process holds is an error; one
+        that cannot be used (unwritable, not a directory) leaves the engine serving from RAM alone, with a
+        warning."""
         if self.config.kv_disk_dir is None:
-            return None
+            return None, None
         directory = Path(self.config.kv_disk_dir).expanduser()
         start = time.perf_counter()
         identity = TierIdentity(
@@ -141,19 +179,26 @@ class LLMEngine:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             capacity = self.config.kv_disk_bytes or default_capacity(directory)
-            return DiskTier(directory, capacity, identity)
+            if not self.hybrid:
+                return DiskTier(directory, capacity, identity), None
+            states = int(capacity * self.config.state_cache_fraction)
+            nbytes = state_nbytes(self.model, geometry.dtype)
+            state_identity = replace(identity, layout=STATE_LAYOUT_VERSION, page_bytes=nbytes)
+            return DiskTier(directory, capacity - states, identity), DiskTier(
+                directory / "states", states, state_identity
+            )
         except DiskTierBusy:
             raise
         except ValueError as e:  # the budget holds no page
             if self.config.kv_disk_bytes:
                 raise  # a budget set too small: the setting is wrong
             logger.warning("KV disk tier off: %s (10%% of the free disk); serving from the RAM pool alone", e)
-            return None
+            return None, None
         except OSError as e:
             logger.warning(
                 "KV disk tier off: cannot use %s (%s); serving from the RAM pool alone", directory, e
             )
-            return None
+            return None, None
 
     def close(self) -> None:
         """Write the disk tier's queued pages and release its directory (the engine steps no more)."""
@@ -238,7 +283,9 @@ class LLMEngine:
                 scheduled = self.scheduler.schedule()
                 step = self.runner.launch(scheduled.seqs, scheduled.num_tokens) if scheduled else None
             if step is None:
-                self.kv.write_behind(self.runner.page_payloads)  # pages of a request stopped in schedule()
+                self.kv.write_behind(
+                    self.runner.page_payloads, self.runner.state_payloads
+                )  # pages of a request stopped in schedule()
                 self.kv.wait_for_restores(DISK_WAIT_S)
                 return self._collect(outputs)
             if self.overlap:
@@ -255,7 +302,7 @@ class LLMEngine:
             self.scheduler.postprocess(ScheduledStep(seqs, [step.num_tokens[i] for i in kept]), outs)
             # after the evaluation: the pages it published, to disk (with overlap on, this waits for
             # the step in flight, once per page boundary)
-            self.kv.write_behind(self.runner.page_payloads)
+            self.kv.write_behind(self.runner.page_payloads, self.runner.state_payloads)
             for seq, (length, num_logprobs) in zip(seqs, before):
                 if len(seq.token_ids) > length:  # one new token, or several from a verified draft
                     self._record_gap(seq)
@@ -275,7 +322,7 @@ class LLMEngine:
 
     def _apply_disk_restores(self) -> None:
         """Pages the disk tier has read for waiting requests go into the pools; they can run now."""
-        for req, tokens in self.kv.apply_restores(self.runner.write_pages):
+        for req, tokens in self.kv.apply_restores(self.runner.write_pages, self.runner.state_from_payload):
             self.scheduler.restored_from_disk(self.requests[req.request_id], tokens)
 
     def fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
@@ -372,6 +419,13 @@ class LLMEngine:
             grammar_mask_seconds=self.mask_counters.seconds,
             **self.kv.disk_stats(),
         )
+        if self.kv.snapshots is not None:
+            snaps, c = self.kv.snapshots, self.kv.snapshots.counters
+            stats.state_snapshots, stats.state_snapshot_bytes = len(snaps), snaps.nbytes
+            stats.state_snapshot_capacity_bytes = snaps.capacity_bytes
+            stats.state_snapshots_kept, stats.state_snapshots_dropped = c.snapshots_kept, c.snapshots_dropped
+            stats.state_snapshots_restored = c.snapshots_restored
+            stats.state_disk_snapshots = self.kv.state_disk.num_pages if self.kv.state_disk else None
         if self.scheduler.flights:
             f = self.scheduler.flights.counters
             stats.flights_opened = f.flights_opened

@@ -5,6 +5,7 @@ the next step (LLMEngine.step).
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -18,6 +19,7 @@ from minivllm.engine.sampler import log_softmax, sample
 from minivllm.engine.sequence import Sequence
 from minivllm.models.families import architecture_of
 from minivllm.models.layers import Architecture, KVPools, forward
+from minivllm.models.linear_attention import RecurrentState, SequenceStates, StepStates, state_layout
 from minivllm.outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,9 @@ logger = logging.getLogger(__name__)
 # [kv heads, page size, head dim] in the pools' dtype. Part of every page file's identity: bump it when
 # this order changes, and no page written before is ever loaded.
 KV_LAYOUT_VERSION = 1
+# How a hybrid model's recurrent-state snapshot is laid out as bytes on disk: its arrays in
+# RecurrentState.arrays' order (each layer's convolution state, then each layer's delta state), C order.
+STATE_LAYOUT_VERSION = 1001
 # numpy has no bfloat16: its pages travel as the same bits in uint16
 _STORED_AS = {mx.bfloat16: mx.uint16}
 
@@ -43,8 +48,10 @@ class KVGeometry:
 
     @classmethod
     def of(cls, model: nn.Module, dtype: mx.Dtype) -> "KVGeometry":
-        attn = model.model.layers[0].self_attn
-        # mlx-lm's names, or gpt-oss's module's own
+        """The attention layers' (a hybrid model's linear layers have no KV)."""
+        layers = [b.self_attn for b in model.model.layers if hasattr(b, "self_attn")]
+        attn = layers[0]
+        # mlx-lm's names, or gpt-oss's and the hybrids' modules' own
         heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
         heads_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
         # Qwen3's attention modules keep no head_dim, and its head_dim is not hidden_size / heads
@@ -53,7 +60,7 @@ class KVGeometry:
             or getattr(model.args, "head_dim", None)
             or model.args.hidden_size // heads
         )
-        return cls(len(model.model.layers), heads_kv, head_dim, dtype)
+        return cls(len(layers), heads_kv, head_dim, dtype)
 
 
 @dataclass
@@ -86,8 +93,12 @@ class ModelRunner:
         page_size: int,
         mask_counters: MaskCounters,
         cpu_kernel: bool = False,
+        state_points: Callable[[object, int, int], list[int]] | None = None,
     ):
+        """state_points(cache, start, end): the page boundaries in (start, end] where a hybrid model's
+        sequence keeps its recurrent state for a snapshot (KVManager.state_points)."""
         self.model = model
+        self.state_points = state_points
         self.cpu_kernel = cpu_kernel  # long-context attention in kernels.cpu_attention (loaded by the engine)
         self.page_size = page_size
         self.geometry = geometry
@@ -151,6 +162,35 @@ class ModelRunner:
         by_page[:, index] = kv.transpose(1, 0, 2, 3)
         return by_page.reshape(pool.shape)
 
+    # -- a hybrid model's recurrent-state snapshots to and from the disk tier ---------------------------------
+    @cached_property
+    def state_layout(self) -> list[tuple[tuple[int, ...], mx.Dtype]]:
+        return state_layout(self.model, self.geometry.dtype)
+
+    def state_payloads(self, states: list[RecurrentState]) -> np.ndarray:
+        """The states' bytes [len(states), state_bytes] uint8, in STATE_LAYOUT_VERSION's order."""
+        rows = [
+            np.concatenate(
+                [np.array(a.view(_STORED_AS.get(a.dtype, a.dtype))).view(np.uint8).ravel() for a in s.arrays]
+            )
+            for s in states
+        ]
+        return np.stack(rows)
+
+    def state_from_payload(self, payload: np.ndarray, tokens: int) -> RecurrentState:
+        """A state read back from disk (state_payloads' layout), after `tokens` tokens."""
+        arrays, offset = [], 0
+        for shape, dtype in self.state_layout:
+            stored = _STORED_AS.get(dtype, dtype)
+            n = int(np.prod(shape)) * dtype.size
+            host = payload[offset : offset + n].view(np.dtype(str(stored).removeprefix("mlx.core.")))
+            arrays.append(mx.array(host.reshape(shape)).view(dtype))
+            offset += n
+        half = len(arrays) // 2
+        state = RecurrentState(tokens, tuple(arrays[:half]), tuple(arrays[half:]))
+        mx.eval(state.arrays)
+        return state
+
     @staticmethod
     def _page_index(pages: list[int]) -> mx.array:
         return mx.array(np.asarray(pages, dtype=np.int32))
@@ -192,9 +232,16 @@ class ModelRunner:
         ]
         num_rows = [1 + len(seqs[i].draft_token_ids) for i in sampling]
         step = LaunchedStep(seqs, num_tokens, sampling, num_rows)
+        hybrid = self.architecture.num_linear_layers > 0
+        if hybrid:  # the linear layers' states: where each seq starts, and the points whose states it keeps
+            wanted = [self._state_points(s, c, n) for s, c, n in zip(seqs, computed, num_tokens)]
+            self.kv.recurrent = StepStates(
+                [self._states_from(s, c, n, w) for s, c, n, w in zip(seqs, computed, num_tokens, wanted)]
+            )
         logits = forward(self.architecture, self.model, inputs, self.kv, layout, sampling, num_rows)
+        states = self._keep_states(seqs, computed, num_tokens, wanted) if hybrid else []
         if logits is None:
-            mx.async_eval(self.kv.keys, self.kv.values)
+            mx.async_eval(self.kv.keys, self.kv.values, states)
             return step
         # one entry per sampled row; row j of a seq draws the token after its tokens and draft[:j]
         chosen = [seqs[i] for i, r in zip(sampling, num_rows) for _ in range(r)]
@@ -211,8 +258,48 @@ class ModelRunner:
         step.tokens = sample(logits, chosen, bitmasks, constrained, positions)
         step.want = [row for row, s in enumerate(chosen) if s.params.logprobs is not None]
         step.extra = self._logprob_graph(step.tokens, logits, step.want, chosen) if step.want else ()
-        mx.async_eval(step.tokens, *step.extra, self.kv.keys, self.kv.values)  # the step's one evaluation
+        # the step's one evaluation
+        mx.async_eval(step.tokens, *step.extra, self.kv.keys, self.kv.values, states)
         return step
+
+    # -- hybrid models' recurrent states --------------------------------------------------------------
+    def _state_points(self, seq: Sequence, start: int, n: int) -> set[int]:
+        """The page boundaries in (start, start + n] whose states become snapshots (the KV manager's)."""
+        return set(self.state_points(seq.cache, start, start + n)) if self.state_points else set()
+
+    def _states_from(self, seq: Sequence, start: int, n: int, wanted: set[int]) -> SequenceStates:
+        """Where seq's linear layers start this step (its state after `start` tokens), and where inside the
+        step it keeps them: the wanted points, and its latest page boundary."""
+        if start == 0:
+            begin = None
+        elif seq.recurrent is not None and seq.recurrent.tokens == start:
+            begin = seq.recurrent
+        elif seq.cache.restored_state is not None and seq.cache.restored_state.tokens == start:
+            begin = seq.cache.restored_state  # its admission restored a cached prefix
+        else:
+            raise RuntimeError(f"request {seq.request_id} has no recurrent state after {start} tokens")
+        end, size = start + n, self.page_size
+        cuts = {p for p in wanted if p < end} | (
+            {end // size * size} if start < end // size * size < end else set()
+        )
+        return SequenceStates(begin, tuple(sorted(cuts)))
+
+    def _keep_states(
+        self, seqs: list[Sequence], computed: list[int], num_tokens: list[int], wanted: list[set[int]]
+    ) -> list:
+        """Each seq's state after the step, its latest page boundary's, and those the KV manager asked
+        for (lazy: the step's evaluation computes them); their arrays."""
+        arrays = []
+        for seq, ss, start, n, points in zip(seqs, self.kv.recurrent.seqs, computed, num_tokens, wanted):
+            seq.recurrent = ss.end(start + n)
+            kept = ss.snapshots() + ([seq.recurrent] if (start + n) % self.page_size == 0 else [])
+            for state in kept:
+                seq.boundary_state = state
+                if state.tokens in points:
+                    seq.kept_states.append(state)
+            arrays += seq.recurrent.arrays + [a for state in kept for a in state.arrays]
+        self.kv.recurrent = None
+        return arrays
 
     def collect(self, step: "LaunchedStep") -> list[StepOutput]:
         """Wait for a launched step; its new tokens (and log-probabilities), one output per seq."""

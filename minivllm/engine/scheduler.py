@@ -234,8 +234,15 @@ class Scheduler:
         restorable = seq.cache.full_page_hashes(self.kv.page_size)[
             : (len(seq.token_ids) - 1) // self.kv.page_size
         ]
-        cached = self.kv.cached_prefix_pages(seq.cache)
-        return cached < len(restorable) and restorable[cached] in computing
+        cached = self.kv.cached_prefix_pages(seq.cache, resumable=False)
+        if cached >= len(restorable) or restorable[cached] not in computing:
+            return False
+        shared = cached
+        while shared < len(restorable) and restorable[shared] in computing:
+            shared += 1
+        # a hybrid model's waiter resumes where the pages it waits for end: their prefill keeps the state
+        self.kv.want_state(seq.cache, shared)
+        return True
 
     def schedule_ahead(self, step: ScheduledStep) -> ScheduledStep:
         """The requests of the next step (one decode token each), chosen while `step` still runs: each
@@ -318,9 +325,13 @@ class Scheduler:
         seq.num_admissions += 1
         return True
 
-    def restored_from_disk(self, seq: Sequence, tokens: int) -> None:
+    def restored_from_disk(self, seq: Sequence, tokens: int | None) -> None:
         """seq's pages read back from disk are in the pool: at its first admission they are cached prompt
-        tokens like those restored from RAM (admission counted those)."""
+        tokens like those restored from RAM (admission counted those). None: a hybrid model's restore
+        that could not be completed; seq gives its pages back and is admitted again."""
+        if tokens is None:
+            self.requeue(seq)
+            return
         if self.config.enable_prefix_caching and seq.num_admissions == 1:
             seq.num_cached_tokens += tokens
             self.counters.hit_tokens += tokens
@@ -337,6 +348,7 @@ class Scheduler:
         if self.flights and self.flights.is_open_leader(seq):
             self.flights.hand_over(seq)
         self.kv.release(seq.cache)
+        seq.drop_states()
         seq.draft_token_ids = []  # e.g. after a fault in its verification: readmitted, it recomputes
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
@@ -363,6 +375,7 @@ class Scheduler:
             )
             if incremental or release:  # on release: the followers' checkpoint, even under completion
                 self.kv.publish(seq.cache)
+                seq.kept_states = self.kv.publish_states(seq.cache, seq.kept_states)
             if release:
                 self.flights.release(seq)
             length = len(seq.token_ids)
@@ -416,8 +429,11 @@ class Scheduler:
             return  # e.g. an abort that arrives after the step that finished it
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.kv.publish(seq.cache)
+            # and where its tokens' last page ends: the next turn of a conversation resumes there
+            self.kv.publish_states(seq.cache, seq.kept_states + [s for s in (seq.boundary_state,) if s])
         seq.draft.log(seq.request_id)
         self.kv.pin(seq.cache)  # what it published of the prefixes it asked to pin, before its pages go
+        seq.drop_states()
         self.kv.release(seq.cache)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)

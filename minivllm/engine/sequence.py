@@ -49,12 +49,22 @@ class Sequence:
     # last token; verified by it, never part of token_ids unless accepted), and the request's backoff
     draft_token_ids: list[int] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)
+    # a hybrid model's linear layers' states (minivllm.models.linear_attention.RecurrentState): after its
+    # computed tokens (recurrent), at its latest page boundary, and at the boundaries the KV manager asked
+    # for whose snapshots are not kept yet
+    recurrent: Any = None
+    boundary_state: Any = None
+    kept_states: list = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     last_token_step: int = 0  # the engine step that gave its latest token (0: none yet)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    def drop_states(self) -> None:
+        """Its recurrent states go with its pages (preempted, finished)."""
+        self.recurrent, self.boundary_state, self.kept_states = None, None, []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,7 @@ silently answer wrong tokens. So a model is served only when its `model_type` is
 config uses no option the family's entry does not cover; the error names the architecture and what is
 missing. Each family listed is checked token for token against mlx-lm's own implementation in the tests.
 The blocks' computation lives in one file per family that differs: qwen2 (Qwen2, Qwen3, Llama, Mistral,
-Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text, gpt_oss.
+Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text, gpt_oss, qwen3_next (Qwen3-Next and Qwen3.5: hybrid).
 """
 
 from collections.abc import Callable
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from minivllm.models import gemma3_text, gpt_oss, phi3, qwen2
+from minivllm.models import gemma3_text, gpt_oss, phi3, qwen2, qwen3_next
 from minivllm.models.layers import Architecture
 
 Check = Callable[[dict, nn.Module], str | None]  # the unsupported option it finds, or None
@@ -178,6 +178,44 @@ def gpt_oss_layout(config: dict, model: nn.Module) -> str | None:
     return None
 
 
+# the hybrids' linear-attention modules: Qwen3-Next's fused projections, Qwen3.5's separate ones
+GATED_DELTA = (
+    {"conv1d", "in_proj_qkvz", "in_proj_ba", "norm", "out_proj"},
+    {"conv1d", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"},
+)
+NEXT_EXPERTS = {"gate", "switch_mlp", "shared_expert", "shared_expert_gate"}  # Qwen3-Next's sparse block
+HYBRID_BLOCK = {"mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+def hybrid_layout(config: dict, model: nn.Module) -> str | None:
+    """Qwen3-Next's and Qwen3.5's blocks: each a gated delta net or a gated attention (q/k norms), the
+    attribute names the forward reads, and a convolution that keeps a state (kernel of 2 or more)."""
+    for block in model.model.layers:
+        linear = getattr(block, "linear_attn", None)
+        mixer = linear if linear is not None else getattr(block, "self_attn", None)
+        names = ("conv_kernel_size", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim")
+        names = names if linear is not None else ("num_attention_heads", "num_key_value_heads", "scale")
+        absent = [n for n in names if not hasattr(mixer, n)]
+        if absent:
+            return f"a mixer without {', '.join(absent)}"
+        if linear is not None:
+            found = differs(
+                "a linear-attention module",
+                linear,
+                min(GATED_DELTA, key=lambda g: len(g ^ _children(linear))),
+            )
+            if not found and linear.conv_kernel_size < 2:
+                found = f"a convolution of kernel {linear.conv_kernel_size}"
+        else:
+            found = differs("an attention module", mixer, ATTENTION | QK_NORMS)
+        found = found or differs(
+            "a block", block, HYBRID_BLOCK | {"linear_attn" if linear is not None else "self_attn"}
+        )
+        if found or (found := mlp_differs(block.mlp, (SWIGLU, NEXT_EXPERTS))):
+            return found
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     checks: tuple[Check, ...]
@@ -219,6 +257,10 @@ FAMILIES = {
     ),
     # gpt-oss: alternating sliding and full layers with attention sinks; mlx-lm's experts module whole
     "gpt_oss": Family(SHARED + (rope_scaling, gpt_oss_layout), gpt_oss.architecture),
+    # hybrids: gated delta net layers with a recurrent state, a gated attention layer every few
+    "qwen3_next": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
+    "qwen3_5": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
+    "qwen3_5_moe": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
     "gemma3_text": Family(
         SHARED
         + (rope_scaling, gemma_activation, no_experts, gemma_layer_types)
@@ -236,6 +278,7 @@ def architecture_of(model: nn.Module) -> Architecture:
 def check_supported(config: dict, model: nn.Module) -> None:
     """Raise ValueError naming the architecture and what the forward does not implement."""
     model_type = config.get("model_type")
+    config = {**config, **(config.get("text_config") or {})}  # Qwen3.5's text model's options
     family = FAMILIES.get(model_type)
     if family is None:
         raise ValueError(

@@ -9,6 +9,7 @@ its blocks computes.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,8 +20,13 @@ from minivllm.models.rms_norm import rms_norm
 
 @dataclass
 class KVPools:
-    keys: list[mx.array]  # per layer [n_kv_heads, num_slots, head_dim]
+    """What the layers read and write besides their weights: the KV pools of the attention layers and, in
+    hybrid models, the step's recurrent states of the linear layers (minivllm.models.linear_attention's
+    StepStates, set by the runner for each step)."""
+
+    keys: list[mx.array]  # per attention layer [n_kv_heads, num_slots, head_dim]
     values: list[mx.array]
+    recurrent: Any = None
 
 
 def qk_norm(attn: nn.Module, name: str, x: mx.array) -> mx.array:
@@ -107,6 +113,7 @@ class Architecture:
     decoder_layer: DecoderLayer
     write_block_kv: WriteKV
     embed: Callable[[nn.Module, mx.array], mx.array] = embed
+    num_linear_layers: int = 0  # hybrid models' layers with a recurrent state (and no KV pool)
 
 
 def forward(
@@ -134,6 +141,7 @@ def forward(
         return None
     rows = layout.last_tokens(sampling, num_rows)
     h = rms_norm(body.norm, arch.decoder_layer(last, h, kv, len(inner), layout, rows))
-    if getattr(model, "lm_head", None) is not None:
-        return model.lm_head(h)
+    head = getattr(model, "language_model", model)  # Qwen3.5 keeps its text model's head there
+    if getattr(head, "lm_head", None) is not None:
+        return head.lm_head(h)
     return body.embed_tokens.as_linear(h)

@@ -84,6 +84,7 @@ def load_model(
     except Exception as e:  # mlx-lm raises assorted errors for hub failures and bad directories
         raise ValueError(f"cannot load model {ref!r} ({resolved}): {e}") from e
     check_supported(config, model)
+    config = {**(config.get("text_config") or {}), **config}  # Qwen3.5's text options (vocab, context)
     quantization = describe_quantization(config)
     layouts = {}
     if not backend.is_gpu:
