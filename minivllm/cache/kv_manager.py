@@ -39,7 +39,7 @@ from minivllm.cache.page_pool import PagePool, PoolCounters
 from minivllm.cache.pins import PinChange, PinCounters, PinInfo, Pins
 from minivllm.cache.state_snapshots import Snapshot, StateSnapshots
 
-MAX_WANTED_STATES = 4096  # page hashes whose state a waiting request wants kept (a bound, not a limit)
+MAX_WANTED_STATES = 4096  # page hashes waiting requests want a snapshot at, at most (then forgotten)
 
 
 @dataclass
@@ -325,10 +325,12 @@ class KVManager:
     def wait_for_restores(self, timeout: float) -> None:
         """Until a pending disk read is done (the engine has nothing else to step), at most timeout s."""
         pending = [
-            (self.disk, r.read) if not r.read.done else (self.state_disk, r.state)
+            (tier, read)
             for r in self.restores.values()
+            for tier, read in ((self.disk, r.read), (self.state_disk, r.state))
+            if read is not None and not read.done
         ]
-        if pending:
+        if pending:  # one tier's reads: each tier wakes its own waiters
             tier = pending[0][0]
             tier.wait_for_reads([read for t, read in pending if t is tier], timeout)
 
@@ -351,24 +353,24 @@ class KVManager:
             n = r.read.num_ok
             if n:
                 write_pages(r.req.page_table[r.first : r.first + n], r.read.payloads[:n])
-            if self.snapshots is None:
-                self._publish_restored(r.req, r.first, n)
-                restored.append((r.req, n * self.page_size))
-                continue
-            complete = n == len(r.read.records) and (r.state is None or r.state.num_ok == 1)
             self._publish_restored(r.req, r.first, n)
-            if not complete:
-                restored.append((r.req, None))
-                continue
-            if r.state is not None:
-                tokens = (r.first + n) * self.page_size
-                r.req.restored_state = read_state(r.state.payloads[0], tokens)
-                self.snapshots.put(
-                    r.state.records[0].hash,
-                    Snapshot(tokens, r.req.restored_state, r.state.payloads[0].nbytes),
-                )
+            if self.snapshots is not None:
+                if n < len(r.read.records) or (r.state is not None and r.state.num_ok == 0):
+                    restored.append((r.req, None))
+                    continue
+                if r.state is not None:
+                    self._restore_state(r.req, r.state, read_state)
             restored.append((r.req, n * self.page_size))
         return restored
+
+    def _restore_state(self, req: KVRequest, read: DiskRead, read_state: Callable) -> None:
+        """A hybrid model's state read from the state tier: req resumes with it, and it is kept in RAM."""
+        tokens = req.num_computed_tokens
+        req.restored_state = read_state(read.payloads[0], tokens)
+        self.snapshots.put(
+            read.records[0].hash, Snapshot(tokens, req.restored_state, read.payloads[0].nbytes)
+        )
+        self.snapshots.counters.snapshots_restored += 1
 
     def _publish_restored(self, req: KVRequest, first: int, n: int) -> None:
         hashes = req.full_page_hashes(self.page_size)
