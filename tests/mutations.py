@@ -1309,8 +1309,8 @@ MUTATIONS = [
         "hybrid-restore-without-state",
         "a hybrid model restores cached pages that have no snapshot at their end",
         KV_MANAGER,
-        "        if self.snapshots is not None and resumable:",
-        "        if False:",
+        "            if h not in self.snapshots:",
+        "            if h not in self.snapshots and False:",
         HYBRID_TESTS,
     ),
     Mutation(

@@ -148,22 +148,18 @@ class KVManager:
     def counters(self) -> PoolCounters:
         return self.pool.counters
 
-    def cached_prefix_pages(self, req: KVRequest, resumable: bool = True) -> int:
-        """How many pages of req's longest cached prefix admission would restore now (resumable=False: the
-        pages cached, whether a hybrid model's state is kept at their end or not)."""
-        return len(self._cached_prefix(req, resumable))
+    def cached_prefix_pages(self, req: KVRequest) -> int:
+        """How many pages of req's longest cached prefix are in RAM now (a hybrid model's admission
+        restores them up to the last one with a snapshot of its state: _resume_point)."""
+        return len(self._cached_prefix(req))
 
-    def _cached_prefix(self, req: KVRequest, resumable: bool = True) -> list[int]:
+    def _cached_prefix(self, req: KVRequest) -> list[int]:
         """The pages of req's longest cached prefix. The last token is always computed, for its logits:
         at most floor((N-1)/P) pages of N tokens."""
         if not self.enable_prefix_caching:
             return []
         hashes = req.full_page_hashes(self.page_size)
-        pages = self.pool.lookup(hashes, req.token_ids, self._restorable_pages(req))
-        if self.snapshots is not None and resumable:  # a hybrid model resumes only where a state was kept
-            while pages and hashes[len(pages) - 1] not in self.snapshots:
-                pages.pop()
-        return pages
+        return self.pool.lookup(hashes, req.token_ids, self._restorable_pages(req))
 
     def _restorable_pages(self, req: KVRequest) -> int:
         return (len(req.token_ids) - 1) // self.page_size
@@ -215,7 +211,7 @@ class KVManager:
         """A hybrid model's restore: the deepest page of its cached prefix (RAM, then disk) whose end has a
         snapshot, in RAM or in the state tier. The RAM pages up to it, the disk pages up to it, and the
         state tier's record when the snapshot is read from there (None: it is in RAM, or no page is)."""
-        pages = self._cached_prefix(req, resumable=False)
+        pages = self._cached_prefix(req)
         on_disk = self._on_disk(req, len(pages))
         hashes = req.full_page_hashes(self.page_size)
         req.branch_pages = len(pages) + len(on_disk)  # where its prompt leaves the cached ones

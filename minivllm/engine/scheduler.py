@@ -234,7 +234,7 @@ class Scheduler:
         restorable = seq.cache.full_page_hashes(self.kv.page_size)[
             : (len(seq.token_ids) - 1) // self.kv.page_size
         ]
-        cached = self.kv.cached_prefix_pages(seq.cache, resumable=False)
+        cached = self.kv.cached_prefix_pages(seq.cache)
         if cached >= len(restorable) or restorable[cached] not in computing:
             return False
         shared = cached
