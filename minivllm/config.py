@@ -87,9 +87,10 @@ class EngineConfig:
     shadow_requests: int = 2000
     # hybrid models (linear-attention layers with a recurrent state): the share of the KV budget their
     # state snapshots may take, and the tokens between the snapshots a long prompt or output keeps (a
-    # multiple of page_size; prompts' ends keep one too: minivllm.cache.kv_manager)
+    # multiple of page_size; prompts' ends keep one too: minivllm.cache.kv_manager). None: the tokens whose
+    # KV takes as much memory as one snapshot (LLMEngine.snapshot_every)
     state_cache_fraction: float = 0.25
-    state_snapshot_tokens: int = 1024
+    state_snapshot_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,7 +121,11 @@ class EngineConfig:
         _check(self.shadow_requests >= 0, "shadow_requests must be >= 0")
         _check(0 < self.state_cache_fraction < 1, "state_cache_fraction must be in (0, 1)")
         _check(
-            self.state_snapshot_tokens >= self.page_size and self.state_snapshot_tokens % self.page_size == 0,
+            self.state_snapshot_tokens is None
+            or (
+                self.state_snapshot_tokens >= self.page_size
+                and self.state_snapshot_tokens % self.page_size == 0
+            ),
             "state_snapshot_tokens must be a multiple of page_size",
         )
         _check(

@@ -242,9 +242,10 @@ OPTIONS: tuple[Option, ...] = (
     _engine(
         "state_snapshot_tokens",
         "MINIVLLM_STATE_SNAPSHOT_TOKENS",
-        int,
+        int | None,
         _parse_int,
-        "hybrid models: tokens between the recurrent-state snapshots a long prompt keeps (prompt ends keep one too)",
+        "hybrid models: tokens between the recurrent-state snapshots a long prompt keeps, a multiple of the page "
+        "size (default: the tokens whose KV takes as much memory as one snapshot)",
     ),
     _engine(
         "cache_shadow_requests",

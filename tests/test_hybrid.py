@@ -72,20 +72,22 @@ def test_other_shapes_answer_mlx_lms_tokens(tmp_path, variant):
 def test_a_shared_prefix_resumes_at_a_snapshot_with_a_cold_runs_tokens(hybrid):
     path, reference = hybrid
     shared, a, b, c = random_prompts([200, 20, 25, 30], seed=32, vocab=362)
+    # by default a snapshot every 48 tokens here (3 pages' KV take as much memory as one): the second
+    # prompt resumes at 192, where its pages leave the first's
     llm = LLM(path, kv_cache_bytes=8 << 20, single_flight="off")
+    assert llm.engine.kv.snapshot_every == 48
+    checked(llm, shared + a, greedy())
+    out = checked(llm, shared + b, greedy())[0]
+    assert out.num_cached_tokens == 192 and out.token_ids == reference.greedy(shared + b, 8)
+    # with snapshots far apart, the pages of 192 shared tokens are cached but no state at their end: the
+    # second prompt resumes at token 0, and keeps its state where it leaves the cached prompt
+    llm = LLM(path, kv_cache_bytes=8 << 20, single_flight="off", state_snapshot_tokens=1024)
     first = checked(llm, shared + a, greedy())[0]
-    # the pages of 192 shared tokens are cached, but no state at their end: the second prompt resumes at
-    # token 0, and keeps its state where it leaves the cached prompt
     second = checked(llm, shared + b, greedy())[0]
     third = checked(llm, shared + c, greedy())[0]
     assert (first.num_cached_tokens, second.num_cached_tokens, third.num_cached_tokens) == (0, 0, 192)
     for prompt, out in ((shared + a, first), (shared + b, second), (shared + c, third)):
         assert out.token_ids == reference.greedy(prompt, 8)
-    # with a snapshot every 64 tokens, the second one resumes at once
-    llm = LLM(path, kv_cache_bytes=8 << 20, single_flight="off", state_snapshot_tokens=64)
-    checked(llm, shared + a, greedy())
-    out = checked(llm, shared + b, greedy())[0]
-    assert out.num_cached_tokens == 192 and out.token_ids == reference.greedy(shared + b, 8)
 
 
 def test_the_next_turn_resumes_after_the_last_turns_answer(hybrid):

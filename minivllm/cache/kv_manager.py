@@ -89,7 +89,7 @@ class KVManager:
         disk: DiskTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         snapshots: StateSnapshots | None = None,
-        snapshot_every: int = 1024,
+        snapshot_every: int = 1024,  # tokens
         state_disk: DiskTier | None = None,
     ):
         """snapshots: a hybrid model's recurrent-state snapshots (None for other models); snapshot_every:

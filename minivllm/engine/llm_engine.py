@@ -87,7 +87,7 @@ class LLMEngine:
             config.enable_prefix_caching,
             disk,
             snapshots=snapshots,
-            snapshot_every=config.state_snapshot_tokens,
+            snapshot_every=self._snapshot_every(geometry),
             state_disk=state_disk,
         )
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
@@ -127,6 +127,14 @@ class LLMEngine:
             config.speculative,
         )
 
+        if self.hybrid:
+            logger.info(
+                "hybrid model: recurrent-state snapshots of %.2f MiB, %.1f MiB for them, one every %d tokens",
+                state_nbytes(self.model, geometry.dtype) / 2**20,
+                snapshots.capacity_bytes / 2**20,
+                self.kv.snapshot_every,
+            )
+
     def _overlap_by_default(self) -> bool:
         """On a GPU backend; on the CPU for models of at most OVERLAP_CPU_MAX_WEIGHT_BYTES."""
         weights = sum(x.nbytes for x in module_arrays(self.model))
@@ -145,6 +153,16 @@ class LLMEngine:
     def _state_cache_bytes(self) -> int:
         """A hybrid model's snapshots' share of the KV budget: state_cache_fraction of it."""
         return int(self._kv_budget() * self.config.state_cache_fraction)
+
+    def _snapshot_every(self, geometry: KVGeometry) -> int:
+        """Tokens between a hybrid model's periodic snapshots: the setting, else as many pages as hold one
+        snapshot's bytes of KV, so the snapshots of a long prefix take at most as much memory as its KV
+        (a tiny model's every few pages, a real one's every several hundred tokens)."""
+        if self.config.state_snapshot_tokens:
+            return self.config.state_snapshot_tokens
+        size = self.config.page_size
+        pages = -(-state_nbytes(self.model, geometry.dtype) // (geometry.bytes_per_token * size))
+        return max(1, pages) * size
 
     def _num_pages(self, geometry: KVGeometry, snapshots: StateSnapshots | None) -> int:
         budget = self._kv_budget() - (snapshots.capacity_bytes if snapshots is not None else 0)
