@@ -30,11 +30,12 @@ from server.engine_client import EngineClient
 from server.errors import APIError, ClientDisconnected, error_body, named
 from server.events import Answer, ChoiceEvents, Event, Failed, ThinkMarkers
 from server.generation import Delta, Generation, ThinkingBudget, Usage
+from server.harmony import HarmonyEvents, HarmonyFormat
 from server.metrics import Metrics
 from server.prefix_report import EXPLAINED, HEADER, MessageLocator, PrefixReport, header_value, log, reports
 from server.prompts import PromptBuilder
 from server.settings import Settings
-from server.structured import output_grammar
+from server.structured import harmony_grammar, output_grammar
 from server.tools import ToolCalling
 
 logger = logging.getLogger(__name__)
@@ -101,24 +102,38 @@ class Prepared:
     locate: MessageLocator | None = None
     ignored: tuple[str, ...] = ()  # the request's fields accepted without effect (x-minivllm-ignored)
     thinking_budget: ThinkingBudget | None = None
+    harmony: HarmonyFormat | None = None  # the output is Harmony (gpt-oss), read by its parser
+    show_thinking: bool = True  # with harmony: reasoning is always written; False drops it
 
-    def choice_events(self) -> list[ChoiceEvents]:
+    def choice_events(self) -> list[ChoiceEvents | HarmonyEvents]:
         n = sum(map(len, self.params))
+        if self.harmony is not None:
+            tools = self.tools.tools if self.tools else None
+            return [
+                HarmonyEvents(i, self.harmony, tools, self.show_thinking, self.window_bound) for i in range(n)
+            ]
         return [ChoiceEvents(i, self.tools, self.think, self.window_bound) for i in range(n)]
 
 
 async def prepare_chat(request: Request, st: ServerState, conv: Conversation) -> Prepared:
     """A conversation's prompt (templated and tokenized off the event loop), tools, grammar and params."""
     tools = ToolCalling.of(conv, st.engine.tokenizer)
-    structured = output_grammar(conv, tools)
     template_tools = tools and tools.template_tools()
+    shown = conv.thinking.mode != ThinkingMode.OFF
+    harmony = st.prompts.harmony
+    if harmony is not None:  # gpt-oss always reasons: a forced output's grammar starts with the reasoning
+        structured = harmony_grammar(conv, tools, harmony, conv.thinking.budget_tokens if shown else 0)
+        stops = tuple(dict.fromkeys(conv.sampling.stop_token_ids + harmony.stop_tokens))
+        conv = replace(conv, sampling=replace(conv.sampling, stop_token_ids=stops))
+    else:
+        structured = output_grammar(conv, tools)
     thinks = st.prompts.thinks
     # a grammar holds the whole output, from its first token: no thinking before a forced call or JSON
-    thinking = None if not thinks else conv.thinking.mode != ThinkingMode.OFF and structured is None
+    thinking = None if not thinks else shown and structured is None
     with protocol_names(conv.names):
         # only the prompt must fit: max_tokens is an upper bound (clamp_max_tokens)
         prompt = await until_disconnect(
-            request, lambda: st.prompts.chat(conv.turns, None, template_tools, thinking)
+            request, lambda: st.prompts.chat(conv.turns, None, template_tools, thinking, conv.thinking)
         )
     pins = await until_disconnect(request, lambda: _pins(st, conv, template_tools, prompt))
     max_tokens, window_bound = clamp_max_tokens(st, conv.max_tokens, len(prompt))
@@ -129,12 +144,17 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
         return st.prompts.message_at(conv.turns, template_tools, prompt, token)
 
     think = think_markers(st.engine.tokenizer, prompt) if thinks and thinking else None
-    ignored = conv.ignored + (() if thinks else conv.thinking_fields)
+    # effort and budgets act on a model that thinks (Harmony's set its reasoning level)
+    ignored = conv.ignored + (() if thinks or harmony else conv.thinking_fields)
     budget = None
     end = think and st.engine.tokenizer.added_token_id(think.end)
     if end is not None and conv.thinking.budget_tokens is not None:
         budget = ThinkingBudget(end, conv.thinking.budget_tokens)
-    return Prepared([prompt], [params], cache, tools, think, window_bound, locate, ignored, budget)
+    elif harmony is not None and shown and structured is None and conv.thinking.budget_tokens is not None:
+        budget = ThinkingBudget(harmony.ids["<|end|>"], conv.thinking.budget_tokens, harmony.next_message)
+    return Prepared(
+        [prompt], [params], cache, tools, think, window_bound, locate, ignored, budget, harmony, shown
+    )
 
 
 def prepare_prompts(
@@ -169,7 +189,7 @@ async def _pins(
     tokens, TTL)."""
     if not conv.pins:
         return ()
-    ends = await st.prompts.message_ends(conv.turns, tools, prompt, [k for k, _ in conv.pins])
+    ends = await st.prompts.message_ends(conv.turns, tools, prompt, [k for k, _ in conv.pins], conv.thinking)
     return tuple((tokens, ttl) for tokens, (_, ttl) in zip(ends, conv.pins, strict=True) if tokens > 0)
 
 

@@ -135,6 +135,8 @@ class ThinkingBudget:
 
     end: int  # the think-end token
     tokens: int
+    # what follows the end before the answer (Harmony's `<|start|>assistant`: the next message's header)
+    resume: tuple[int, ...] = ()
 
 
 @dataclass
@@ -320,13 +322,16 @@ class Generation:
                     self.first_token_time = time.monotonic()
                 tokens += out.new_token_ids
                 if budget is not None and out.finished and self._thinking_ends(out, budget, c):
-                    if out.stop_token_id != budget.end:  # the budget ended the thinking: close it
-                        tokens.append(budget.end)
+                    # the budget ended the thinking: close it; then what leads to the answer
+                    closing = [budget.end] if out.stop_token_id != budget.end else []
+                    closing += budget.resume
+                    tokens += closing
                     piece = text.add(
                         out.new_token_ids if out.stop_token_id is None else out.new_token_ids[:-1]
                     )
-                    piece += text.add([budget.end])
-                    self.events.put_nowait(Delta(c.index, piece, out.new_token_ids, out.new_logprobs))
+                    piece += text.add([budget.end, *budget.resume])
+                    ids = out.new_token_ids + closing
+                    self.events.put_nowait(Delta(c.index, piece, ids, out.new_logprobs))
                     return tokens
                 delta = c.to_delta(out, text)
                 if delta.error_param:  # the request's own input at fault: its field in the protocol's name

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from minivllm.engine.validation import RequestError, check_context_length
 from minivllm.models.tokenizer import Tokenizer
 from server import generic_tools
-from server.conversation import Role, Turn
+from server.conversation import Role, Thinking, Turn
 from server.errors import APIError
+from server.harmony import HarmonyFormat, writes_harmony
 from server.tools import template_turns
 
 LONG_TEXT_CHARS = (
@@ -79,9 +80,7 @@ def fim_tokens(tokenizer: Tokenizer) -> FimTokens | None:
     return None
 
 
-# gpt-oss's chat format, Harmony: answers in channels (analysis, commentary, final) that the protocols do not
-# split yet, so such a model's reasoning and tool calls would reach clients as plain text
-HARMONY_MARKER = "<|channel|>"
+DEFAULT_THINKING = Thinking()
 
 
 class PromptBuilder:
@@ -93,12 +92,8 @@ class PromptBuilder:
                 "this transformers cannot keep control tokens in chat messages as plain text "
                 "(apply_chat_template(sanitize_control_tokens=...)); upgrade transformers"
             )
-        if HARMONY_MARKER in str(tokenizer.chat_template or ""):
-            raise ValueError(
-                "this model's chat template writes the Harmony format (gpt-oss): the server does not parse "
-                "its channels yet (reasoning, tool calls), so it is not served; the engine runs the model "
-                "(minivllm.LLM, token ids in and out)"
-            )
+        # gpt-oss's Harmony: rendered and read by openai-harmony, not by the template (server.harmony)
+        self.harmony = HarmonyFormat(tokenizer) if writes_harmony(tokenizer.chat_template) else None
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.control_ids = {
@@ -140,10 +135,15 @@ class PromptBuilder:
         max_tokens: int | None,
         tools: list[dict] | None = None,
         thinking: bool | None = None,
+        reasoning: Thinking = DEFAULT_THINKING,
     ) -> list[int]:
         """tools: the request's tools, for the template to render (None: no tools in the prompt); for a
         template without a tool-call format, the server renders them, and past calls and results, itself.
-        thinking: on or off, for a template with a thinking switch (None: the template's default)."""
+        thinking: on or off, for a template with a thinking switch (None: the template's default).
+        reasoning: the request's thinking, for Harmony's reasoning level."""
+        if self.harmony is not None:
+            chars = _chars([t.text for t in turns], tools)
+            return await self._off_loop(chars, "_harmony_ids", turns, max_tokens, tools, reasoning)
         dicts, tools = self._turns(turns, tools)
         chars = _chars(dicts, tools)
         return await self._off_loop(chars, "_chat_ids", dicts, max_tokens, tools, self._kwargs(thinking))
@@ -184,16 +184,26 @@ class PromptBuilder:
     ) -> int | None:
         """The index of the turn whose templated text holds prompt token `token` (ids: the prompt chat()
         made of these turns); None if the template cannot render a part of the conversation."""
+        if self.harmony is not None:
+            ends = await self.message_ends(turns, tools, ids, list(range(1, len(turns) + 1)))
+            return min(bisect.bisect_right(ends, token), len(turns) - 1) if all(ends) else None
         dicts, tools = self._turns(turns, tools)
         if len(dicts) != len(turns):  # turns folded or merged: no index maps back
             return None
         return await self._off_loop(_chars(dicts, tools), "_message_at", dicts, tools, ids, token)
 
     async def message_ends(
-        self, turns: Sequence[Turn], tools: list[dict] | None, ids: list[int], ends: list[int]
+        self,
+        turns: Sequence[Turn],
+        tools: list[dict] | None,
+        ids: list[int],
+        ends: list[int],
+        reasoning: Thinking = DEFAULT_THINKING,
     ) -> list[int]:
         """For each k in ends, the prompt tokens before turn k (k = len(turns): the whole conversation,
         less the generation prompt); 0 where the template cannot render a part of it."""
+        if self.harmony is not None:
+            return await self._off_loop(0, "_harmony_ends", turns, tools, reasoning, ids, ends)
         dicts, tools = self._turns(turns, tools)
         if len(dicts) != len(turns):
             return [0] * len(ends)
@@ -252,6 +262,26 @@ class PromptBuilder:
             raise
         except Exception as e:  # no template, or one that rejects these messages
             raise RequestError(f"cannot apply the chat template: {e}", param="prompt") from None
+
+    def _harmony_ids(
+        self, turns: Sequence[Turn], max_tokens: int | None, tools: list[dict] | None, reasoning: Thinking
+    ) -> list[int]:
+        ids = self.harmony.prompt(turns, tools, reasoning)
+        check_context_length(self.max_model_len, len(ids), max_tokens)
+        return ids
+
+    def _harmony_ends(
+        self,
+        turns: Sequence[Turn],
+        tools: list[dict] | None,
+        reasoning: Thinking,
+        ids: list[int],
+        ends: list[int],
+    ) -> list[int]:
+        try:
+            return self.harmony.message_ends(turns, tools, reasoning, ids, ends)
+        except RequestError:
+            return [0] * len(ends)
 
     def _render(self, turns: list[dict], tools: list[dict] | None, **kwargs) -> str:
         return self.tokenizer.apply_chat_template(

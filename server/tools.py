@@ -128,8 +128,7 @@ class ToolCalling:
     def call_grammar(self) -> str:
         """Lark rules (llguidance's dialect) for one call block whose JSON follows a function's schema:
         the forced one, or any of the tools'. `call` is the rule to use."""
-        names = [self.choice] if self.forced and self.choice != "required" else None
-        tools = [t for t in self.tools if names is None or t.qualified_name in names]
+        tools = self.grammar_tools()
         start, end = _lark_marker(self.start, self.start_token), _lark_marker(self.end, self.end_token)
         if self.arg_tags is not None and all(_taggable(t.parameters) for t in tools):
             return _tagged_call_grammar(tools, start, end, self.arg_tags)
@@ -137,6 +136,11 @@ class ToolCalling:
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         body["x-guidance"] = JSON_OPTIONS
         return f'call: {start} "\\n" %json {json.dumps(body)} "\\n" {end}\n'
+
+    def grammar_tools(self) -> list[ToolSpec]:
+        """The functions a call's grammar allows: the named one, or any."""
+        named = self.forced and self.choice != "required"
+        return [t for t in self.tools if not named or t.qualified_name == self.choice]
 
     # -- the output -----------------------------------------------------------------------------------
     def parse(self, block: str) -> ToolCall | None:

@@ -47,6 +47,8 @@ PINS_TESTS = ("tests/test_pins.py",)
 LAYOUT = "minivllm/models/cpu_layout.py"
 LAYOUT_TESTS = ("tests/test_cpu_layout.py",)
 HYBRID_TESTS = ("tests/test_hybrid.py",)
+HARMONY = "server/harmony.py"
+HARMONY_TESTS = ("tests/test_harmony.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
     Mutation(
@@ -1352,6 +1354,55 @@ MUTATIONS = [
         "if n < len(r.read.records) or (r.state is not None and r.state.num_ok == 0):",
         "if n < len(r.read.records):",
         HYBRID_TESTS,
+    ),
+    # -- Harmony (gpt-oss) ---------------------------------------------------------------------------------
+    Mutation(
+        "harmony-tool-result-to-user",
+        "a tool's result rendered as addressed to the user",
+        HARMONY,
+        '            .with_recipient("assistant")',
+        '            .with_recipient("user")',
+        HARMONY_TESTS,
+    ),
+    Mutation(
+        "harmony-reasoning-as-answer",
+        "the analysis channel read as the answer",
+        HARMONY,
+        '            if self.parser.current_channel == "analysis":',
+        '            if self.parser.current_channel == "reasoning":',
+        HARMONY_TESTS,
+    ),
+    Mutation(
+        "harmony-unbounded-reasoning",
+        "a forced output's reasoning not bounded by the thinking budget",
+        HARMONY,
+        'bound = f"[max_tokens={thinking_tokens}]" if thinking_tokens is not None else ""',
+        'bound = ""',
+        HARMONY_TESTS,
+    ),
+    Mutation(
+        "harmony-effort-ignored",
+        "the request's reasoning effort not in the system message",
+        HARMONY,
+        "        return ReasoningEffort.LOW\n",
+        "        return ReasoningEffort.MEDIUM\n",
+        HARMONY_TESTS,
+    ),
+    Mutation(
+        "harmony-cut-call-lost",
+        "a call whose stop token ended the output never read",
+        HARMONY,
+        "                    self.parser.process_eos()",
+        "                    pass",
+        HARMONY_TESTS,
+    ),
+    Mutation(
+        "harmony-budget-no-next-message",
+        "a reasoning cut at the thinking budget continued without the next message's header",
+        "server/generation.py",
+        "                    closing += budget.resume\n",
+        "",
+        HARMONY_TESTS,
     ),
 ]
 

@@ -44,6 +44,16 @@ class ServerThread:
     def engine(self):
         return self.app.state.server.engine.engine  # the LLMEngine
 
+    def prompts_during(self, call):
+        """call()'s result, and the token ids of the prompts the engine was given meanwhile."""
+        prompts = []
+        add = self.engine.add_request
+        self.engine.add_request = lambda rid, prompt, *a: prompts.append(prompt) or add(rid, prompt, *a)
+        try:
+            return call(), prompts
+        finally:
+            del self.engine.add_request
+
     def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
 

@@ -103,14 +103,16 @@ def test_a_module_the_forward_would_skip_is_refused(tmp_path):
         check_supported(config, model)
 
 
-def test_a_harmony_template_is_not_served_until_its_channels_are_parsed(tmp_path):
-    """gpt-oss's forward runs (above), but its Harmony answers (analysis, commentary and final channels)
-    would reach clients as plain text: the server refuses such a template at start-up, by name."""
+def test_a_harmony_template_on_another_vocabulary_is_refused_by_name(tmp_path):
+    """A template that writes Harmony is rendered by openai-harmony, whose token ids are gpt-oss's: a
+    tokenizer without Harmony's tokens at those ids is refused at start-up, naming them."""
     from minivllm.models.loader import load_tokenizer
     from server.prompts import PromptBuilder
+    from tests.tiny_model import HARMONY_STAND_IN_TEMPLATE, harmony_vocabulary
 
-    template = "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
-    template += "{% if add_generation_prompt %}<|start|>assistant<|channel|>{% endif %}"
-    path = make_tiny_family_model(tmp_path / "m", "gpt_oss", chat_template=template, **GPT_OSS)
-    with pytest.raises(ValueError, match="Harmony format"):
+    harmony_vocabulary(tmp_path / "vocab")
+    path = make_tiny_family_model(
+        tmp_path / "m", "gpt_oss", chat_template=HARMONY_STAND_IN_TEMPLATE, **GPT_OSS
+    )
+    with pytest.raises(ValueError, match="<\\|start\\|>.*at Harmony's ids"):
         PromptBuilder(load_tokenizer(str(path)), 2048)

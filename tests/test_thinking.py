@@ -31,14 +31,8 @@ def oai(server):
 
 
 def _prompts(server, call, ids=False):
-    """The prompts the engine was given during call(): their text, or their token ids."""
-    prompts = []
-    add = server.engine.add_request
-    server.engine.add_request = lambda rid, prompt, *a: prompts.append(prompt) or add(rid, prompt, *a)
-    try:
-        result = call()
-    finally:
-        del server.engine.add_request
+    """call()'s result, and the prompts the engine was given meanwhile: their text, or their token ids."""
+    result, prompts = server.prompts_during(call)
     return result, prompts if ids else [server.engine.tokenizer.decode(p) for p in prompts]
 
 

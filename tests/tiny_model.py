@@ -324,8 +324,6 @@ def make_tiny_family_model(
     """A random model of any family mlx-lm implements, built with mlx-lm's own class for model_type, with
     TINY_FAMILY_CONFIG overridden by `config` (a family's own options: q/k norms come with qwen3, experts
     with qwen3_moe's num_experts, ...)."""
-    from mlx_lm.utils import _get_classes
-
     path = Path(path)
     tokenizer = build_tokenizer(vocab_size, special_tokens)
     tok = write_tokenizer(path, tokenizer, model_max_length=4096, chat_template=chat_template)
@@ -337,6 +335,13 @@ def make_tiny_family_model(
         "bos_token_id": tok.token_to_id("<|endoftext|>"),
         **config,
     }
+    return save_random_model(path, config, seed)
+
+
+def save_random_model(path: Path, config: dict, seed: int) -> Path:
+    """config.json and random weights of mlx-lm's own class for config's model_type, in path."""
+    from mlx_lm.utils import _get_classes
+
     (path / "config.json").write_text(json.dumps(config, indent=2))
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
@@ -455,3 +460,79 @@ def make_tiny_qwen_tokenizer_model(
     params["lm_head.weight"] = mx.concatenate([column, head[:, 1:]], axis=1)
     mx.save_safetensors(str(path / "model.safetensors"), params)
     return path
+
+
+# -- gpt-oss with its own vocabulary, for Harmony --------------------------------------------------------------
+O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's own check
+# o200k's pre-tokenizer pattern (tiktoken_ext.openai_public.o200k_base)
+O200K_PATTERN = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+# Only says that the model writes Harmony (its <|channel|> marker): the server renders Harmony with
+# openai-harmony, never with the template
+HARMONY_STAND_IN_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def harmony_vocabulary(folder: str | Path) -> Path:
+    """OpenAI's o200k_base vocabulary offline, for openai-harmony: copied into folder from the copy that
+    litellm's wheel carries (tiktoken's cache file for it, by its SHA-256), and TIKTOKEN_ENCODINGS_BASE set
+    to folder. Returns the file."""
+    import hashlib
+    import importlib.util
+    import os
+    import shutil
+
+    spec = importlib.util.find_spec("litellm")  # found, not imported (importing it goes to the network)
+    assert spec is not None and spec.origin, (
+        "the Harmony tests need litellm's copy of o200k_base (pip install litellm)"
+    )
+    cached = (
+        Path(spec.origin).parent
+        / "litellm_core_utils"
+        / "tokenizers"
+        / hashlib.sha1(O200K_URL.encode()).hexdigest()
+    )
+    assert hashlib.sha256(cached.read_bytes()).hexdigest() == O200K_SHA256, f"{cached} is not o200k_base"
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached, folder / "o200k_base.tiktoken")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
+    return folder / "o200k_base.tiktoken"
+
+
+def make_tiny_harmony_model(path: str | Path, vocabulary: Path, seed: int = 0, **config) -> Path:
+    """A random gpt-oss model with gpt-oss's own vocabulary (o200k_harmony: o200k_base and Harmony's special
+    tokens at their ids, as openai-harmony numbers them) and a template that marks it as writing Harmony."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    first, size = 199998, 201088  # o200k_base's size; the vocabulary's, with the special tokens
+    specials = [encoding.decode([i]) for i in range(first, size)]
+    tok = TikTokenConverter(str(vocabulary), pattern=O200K_PATTERN, extra_special_tokens=specials).converted()
+    path = Path(path)
+    write_tokenizer(path, tok, 4096, HARMONY_STAND_IN_TEMPLATE, eos_token="<|return|>")
+    ids = [tok.token_to_id(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")]
+    config = {
+        "model_type": "gpt_oss",
+        **TINY_FAMILY_CONFIG,
+        **FAMILY_OPTIONS["gpt_oss"],
+        "hidden_size": 64,
+        "vocab_size": size,
+        "eos_token_id": ids,
+        "bos_token_id": tok.token_to_id("<|startoftext|>"),
+        **config,
+    }
+    return save_random_model(path, config, seed)
