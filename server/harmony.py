@@ -14,20 +14,26 @@ the system message's `Reasoning:` level; thinking off hides the reasoning from t
 none when thinking is off), then the call on the commentary channel, its arguments held to the schema.
 
 openai-harmony loads OpenAI's o200k vocabulary from the network on first use (cached), or from the folder
-`TIKTOKEN_ENCODINGS_BASE` names (a file `o200k_base.tiktoken`), offline.
+`TIKTOKEN_ENCODINGS_BASE` names (a file `o200k_base.tiktoken`). Offline, the server rebuilds that file
+from the model's own tokenizer, and uses it if it is OpenAI's byte for byte.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import logging
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from openai_harmony import (
     Author,
     DeveloperContent,
+    HarmonyEncoding,
     HarmonyEncodingName,
     HarmonyError,
     Message,
@@ -42,6 +48,7 @@ from openai_harmony import Conversation as HarmonyConversation
 
 from minivllm.engine.grammar import JSON_OPTIONS
 from minivllm.engine.validation import RequestError
+from minivllm.models.default_model import cache_root
 from server.conversation import Role as TurnRole
 from server.conversation import Thinking, ThinkingMode, ToolCall, ToolSpec, Turn
 from server.events import Event, Failed, Finished, StopReason, TextDelta, ThinkingDelta, ToolCallDone
@@ -52,6 +59,8 @@ logger = logging.getLogger(__name__)
 MARKER = "<|channel|>"  # in a chat template: the model writes Harmony
 FUNCTIONS = "functions."  # the recipient prefix of a call to one of the request's tools
 # the tokens the grammars name, which the model's tokenizer must have at Harmony's ids
+O200K_SIZE = 199_998  # tokens in o200k_base; Harmony's special tokens follow
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's check
 TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
@@ -75,14 +84,7 @@ class HarmonyFormat:
     """The Harmony encoding, checked against the model's tokenizer."""
 
     def __init__(self, tokenizer) -> None:
-        try:
-            self.encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
-        except HarmonyError as e:
-            raise RuntimeError(
-                f"this model writes Harmony (gpt-oss), and openai-harmony cannot load its vocabulary ({e}): "
-                "connect once to the network, or set TIKTOKEN_ENCODINGS_BASE to a folder with "
-                "o200k_base.tiktoken"
-            ) from None
+        self.encoding = _load_encoding(tokenizer)
         self.ids = {t: self.encoding.encode(t, allowed_special="all")[0] for t in TOKENS}
         differ = [t for t, i in self.ids.items() if tokenizer.added_token_id(t) != i]
         if differ:
@@ -181,6 +183,41 @@ class HarmonyFormat:
     def _lark(self) -> dict[str, str]:
         """The Harmony tokens as lark token literals (by id)."""
         return {name: f"<[{i}]>" for name, i in self.ids.items()}
+
+
+def _load_encoding(tokenizer) -> HarmonyEncoding:
+    """openai-harmony's encoding. Offline, without the vocabulary in its cache or where
+    TIKTOKEN_ENCODINGS_BASE points, the vocabulary is rebuilt from the model's own tokenizer (gpt-oss's
+    holds o200k_base below id 199,998), used only if it is OpenAI's file byte for byte."""
+    try:
+        return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    except HarmonyError as e:
+        folder = _vocabulary_of(tokenizer)
+        if folder is None:
+            raise RuntimeError(
+                f"this model writes Harmony (gpt-oss), and openai-harmony cannot load its vocabulary ({e}), "
+                "nor is it the model's own: connect once to the network, or set TIKTOKEN_ENCODINGS_BASE to a "
+                "folder with o200k_base.tiktoken"
+            ) from None
+    logger.info("Harmony's vocabulary rebuilt from the model's tokenizer, in %s", folder)
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)  # where openai-harmony reads it
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def _vocabulary_of(tokenizer) -> Path | None:
+    """A folder with o200k_base.tiktoken (each token's bytes in base64 and its rank, a line each) written
+    from the tokenizer's first O200K_SIZE tokens, if that is OpenAI's file (tiktoken's own SHA-256)."""
+    if len(tokenizer.get_vocab()) < O200K_SIZE:
+        return None
+    data = b"".join(base64.b64encode(tokenizer.token_bytes(i)) + b" %d\n" % i for i in range(O200K_SIZE))
+    if hashlib.sha256(data).hexdigest() != O200K_SHA256:
+        return None
+    folder = cache_root() / "o200k"
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f"o200k_base.tiktoken.{os.getpid()}.part"
+    part.write_bytes(data)
+    part.replace(folder / "o200k_base.tiktoken")  # whole or not at all, for another server starting too
+    return folder
 
 
 def _description(function: dict) -> ToolDescription:

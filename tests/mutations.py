@@ -1397,6 +1397,14 @@ MUTATIONS = [
         HARMONY_TESTS,
     ),
     Mutation(
+        "harmony-offline-vocabulary-unused",
+        "offline, the vocabulary rebuilt from the model's tokenizer not given to openai-harmony",
+        HARMONY,
+        '    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)  # where openai-harmony reads it\n',
+        "",
+        HARMONY_TESTS,
+    ),
+    Mutation(
         "harmony-budget-no-next-message",
         "a reasoning cut at the thinking budget continued without the next message's header",
         "server/generation.py",

@@ -4,6 +4,9 @@ openai and anthropic SDKs. A forced call reasons first (within the thinking budg
 arguments valid against the schema; a tool's result goes back as Harmony's tool message."""
 
 import json
+import os
+import subprocess
+import sys
 
 import anthropic
 import jsonschema
@@ -235,6 +238,29 @@ def test_thinking_off_hides_the_reasoning_and_a_json_answer_follows_its_schema(s
     assert not (message.model_extra or {}).get("reasoning_content") and r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(message.content), WEATHER)
     server.wait_idle()
+
+
+def test_offline_the_vocabulary_is_rebuilt_from_the_models_own_tokenizer(server, vocabulary, tmp_path):
+    """Where openai-harmony finds no vocabulary (none where TIKTOKEN_ENCODINGS_BASE points, no network), the
+    server writes it from the model's tokenizer, checked against OpenAI's file, and serves."""
+    (tmp_path / "empty").mkdir()
+    env = {
+        **os.environ,
+        "TIKTOKEN_ENCODINGS_BASE": str(tmp_path / "empty"),
+        "MINIVLLM_CACHE_DIR": str(tmp_path),
+    }
+    env["TIKTOKEN_RS_CACHE_DIR"] = str(tmp_path / "empty")
+    script = (
+        "import sys; from minivllm.models.loader import load_tokenizer; from server.prompts import PromptBuilder\n"
+        "p = PromptBuilder(load_tokenizer(sys.argv[1]), 4096); print(p.harmony.stop_tokens)"
+    )
+    model = server.app.state.server.settings.model
+    done = subprocess.run(
+        [sys.executable, "-c", script, model], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(200012, 200002)"
+    assert (tmp_path / "o200k" / "o200k_base.tiktoken").read_bytes() == vocabulary.read_bytes()
 
 
 # -- the output parser on Harmony's own tokens ------------------------------------------------------------

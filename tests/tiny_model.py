@@ -464,7 +464,6 @@ def make_tiny_qwen_tokenizer_model(
 
 # -- gpt-oss with its own vocabulary, for Harmony --------------------------------------------------------------
 O200K_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
-O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's own check
 # o200k's pre-tokenizer pattern (tiktoken_ext.openai_public.o200k_base)
 O200K_PATTERN = "|".join(
     [
@@ -493,6 +492,8 @@ def harmony_vocabulary(folder: str | Path) -> Path:
     import importlib.util
     import os
     import shutil
+
+    from server.harmony import O200K_SHA256
 
     spec = importlib.util.find_spec("litellm")  # found, not imported (importing it goes to the network)
     assert spec is not None and spec.origin, (
