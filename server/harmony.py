@@ -48,7 +48,7 @@ from openai_harmony import Conversation as HarmonyConversation
 
 from minivllm.engine.grammar import JSON_OPTIONS
 from minivllm.engine.validation import RequestError
-from minivllm.models.default_model import cache_root
+from minivllm.models.loader import cache_dir
 from server.conversation import Role as TurnRole
 from server.conversation import Thinking, ThinkingMode, ToolCall, ToolSpec, Turn
 from server.events import Event, Failed, Finished, StopReason, TextDelta, ThinkingDelta, ToolCallDone
@@ -212,7 +212,7 @@ def _vocabulary_of(tokenizer) -> Path | None:
     data = b"".join(base64.b64encode(tokenizer.token_bytes(i)) + b" %d\n" % i for i in range(O200K_SIZE))
     if hashlib.sha256(data).hexdigest() != O200K_SHA256:
         return None
-    folder = cache_root() / "o200k"
+    folder = cache_dir() / "o200k"
     folder.mkdir(parents=True, exist_ok=True)
     part = folder / f"o200k_base.tiktoken.{os.getpid()}.part"
     part.write_bytes(data)

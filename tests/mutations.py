@@ -48,6 +48,8 @@ LAYOUT = "minivllm/models/cpu_layout.py"
 LAYOUT_TESTS = ("tests/test_cpu_layout.py",)
 HYBRID_TESTS = ("tests/test_hybrid.py",)
 HARMONY = "server/harmony.py"
+GEMMA4 = "minivllm/models/gemma4_text.py"
+GEMMA4_TESTS = ("tests/test_families.py", "-k", "gemma4")
 HARMONY_TESTS = ("tests/test_harmony.py",)
 MUTATIONS = [
     # -- five the suite once missed (wrong KV or draws) ------------------------------------------------------
@@ -874,7 +876,7 @@ MUTATIONS = [
         "kv-head-dim-from-hidden",
         "the KV pools' head_dim is hidden_size / heads, not the config's (Qwen3's differs)",
         RUNNER,
-        '            or getattr(model.args, "head_dim", None)\n',
+        '        or getattr(model.args, "head_dim", None)\n',
         "",
         ("tests/test_families.py", "-k", "qwen3"),
     ),
@@ -1354,6 +1356,55 @@ MUTATIONS = [
         "if n < len(r.read.records) or (r.state is not None and r.state.num_ok == 0):",
         "if n < len(r.read.records):",
         HYBRID_TESTS,
+    ),
+    # -- Gemma 4 ---------------------------------------------------------------------------------------------
+    Mutation(
+        "gemma4-no-softcap",
+        "Gemma 4's logits not soft-capped",
+        "minivllm/models/layers.py",
+        "    if arch.logit_softcap:",
+        "    if False:",
+        GEMMA4_TESTS,
+    ),
+    Mutation(
+        "gemma4-no-per-layer-inputs",
+        "Gemma 4's per-layer inputs never gate the blocks",
+        GEMMA4,
+        "        gate_input = None if inputs is None else inputs[:, layer]",
+        "        gate_input = None",
+        GEMMA4_TESTS,
+    ),
+    Mutation(
+        "gemma4-values-unnormed",
+        "Gemma 4's values stored without their norm",
+        GEMMA4,
+        "store_kv(kv, layer, layout, k, attn.v_norm(v))",
+        "store_kv(kv, layer, layout, k, v)",
+        GEMMA4_TESTS,
+    ),
+    Mutation(
+        "gemma4-experts-unnormed",
+        "Gemma 4's dense MLP beside the experts without its own norm",
+        GEMMA4,
+        "    return rms_norm(block.post_feedforward_layernorm_1, dense) + ",
+        "    return dense + ",
+        GEMMA4_TESTS,
+    ),
+    Mutation(
+        "gemma4-no-window",
+        "Gemma 4's local layers attend to the whole context",
+        GEMMA4,
+        "    windows = [body.window_size if b.self_attn.is_sliding else None for b in body.layers]",
+        "    windows = [None for b in body.layers]",
+        GEMMA4_TESTS,
+    ),
+    Mutation(
+        "kv-pages-mixed-shapes",
+        "a page's bytes written back into pools of another shape in the wrong order",
+        RUNNER,
+        "        for k, (heads, dim) in enumerate(g.layers * 2):",
+        "        for k, (heads, dim) in enumerate(g.layers[::-1] * 2):",
+        ("tests/test_kv_disk.py",),
     ),
     # -- Harmony (gpt-oss) ---------------------------------------------------------------------------------
     Mutation(

@@ -3,7 +3,9 @@ mlx-lm's own classes), and every config the forward cannot run exactly is refuse
 
 import re
 
+import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 
 from minivllm import LLM, SamplingParams
 from tests.reference import MlxLmReference
@@ -24,6 +26,46 @@ def family(request, tmp_path_factory):
 
 def test_each_family_answers_mlx_lms_tokens_and_restores_its_prefix(family):
     _, path, reference = family
+    answers_mlx_lms_tokens(path, reference)
+
+
+# Gemma 4's other shapes (26B / 31B): routed experts beside the MLP, keys that are the values on global
+# layers with their own KV head count, no per-layer inputs, every layer with its own K/V
+GEMMA4_MOE = {
+    **FAMILY_OPTIONS["gemma4_text"],
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 64,
+    "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1,
+    "hidden_size_per_layer_input": 0,
+    "num_kv_shared_layers": 0,
+}
+
+
+def test_gemma4_with_experts_and_keys_as_values_answers_mlx_lms_tokens(tmp_path):
+    path = make_tiny_family_model(tmp_path / "m", "gemma4_text", **GEMMA4_MOE)
+    answers_mlx_lms_tokens(path, MlxLmReference(path))
+
+
+def test_gemma4s_logits_are_soft_capped_as_mlx_lms(tmp_path):
+    """Soft-capping changes no greedy token: the log-probabilities show it."""
+    path = make_tiny_family_model(tmp_path / "m", "gemma4_text", **FAMILY_OPTIONS["gemma4_text"])
+    reference = MlxLmReference(path)
+    (prompt,) = random_prompts([40], seed=5, vocab=362)
+    (out,) = LLM(str(path), kv_cache_bytes=16 << 20).generate(
+        [prompt], SamplingParams(max_tokens=4, logprobs=1)
+    )
+    steps = generate_step(mx.array(prompt), reference.model, max_tokens=4)
+    expected = [(int(token), logprobs[token].item()) for token, logprobs in steps]
+    assert [t.token_id for t in out.logprobs] == [t for t, _ in expected]
+    assert [t.logprob for t in out.logprobs] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
+def answers_mlx_lms_tokens(path, reference) -> None:
+    """Greedy tokens equal mlx-lm's for a short prompt and a 300-token one, in one batch and in 48-token
+    chunks; the long one again, restored from the prefix cache."""
     short, long = random_prompts([11, 300], seed=27, vocab=362)  # 300 tokens: many pages
     llm = LLM(str(path), kv_cache_bytes=16 << 20)
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -57,6 +99,25 @@ REFUSED = [
         "layer_types ['full_attention', 'sliding_attention']",
     ),
     ("gemma3_text", {"hidden_activation": "relu"}, "activation 'relu'"),
+    (
+        "gemma4_text",
+        {**FAMILY_OPTIONS["gemma4_text"], "attn_logit_softcapping": 50.0},
+        "attention logit soft",
+    ),
+    (
+        "gemma4_text",
+        {
+            **FAMILY_OPTIONS["gemma4_text"],
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 1024,
+                }
+            },
+        },
+        "rope type 'yarn' on full_attention layers",
+    ),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
     ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),

@@ -329,8 +329,10 @@ def test_a_read_makes_only_its_own_request_wait(tiny_model_dir, reference, tmp_p
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_page_kv_round_trips_between_pools_and_bytes(dtype):
-    """The runner's copies out of and into the pools, for every pool dtype (bfloat16 travels as uint16)."""
-    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype=getattr(mx, dtype))
+    """The runner's copies out of and into the pools, for every pool dtype (bfloat16 travels as uint16), with
+    pools of other head counts and sizes (Gemma 4's global layers): a page is each pool's [kv heads, page,
+    head dim] block in turn, the keys' pools then the values'."""
+    geometry = KVGeometry(((2, 8), (1, 16), (3, 4)), getattr(mx, dtype))
     runner = ModelRunner(None, geometry, num_pages=4, page_size=PAGE, mask_counters=MaskCounters())
     pools = runner.kv.keys + runner.kv.values
     for i, pool in enumerate(pools):
@@ -338,6 +340,8 @@ def test_page_kv_round_trips_between_pools_and_bytes(dtype):
     expected = [np.array(pool[:, PAGE : 2 * PAGE].astype(mx.float32)) for pool in pools]  # page 1
     payloads = runner.page_payloads([1, 3])
     assert payloads.dtype == np.uint8 and payloads.shape == (2, geometry.bytes_per_token * PAGE)
+    if dtype == "float32":
+        assert payloads[0].tobytes() == b"".join(want.tobytes() for want in expected)
     runner.reset_kv()
     runner.write_pages([2, 0], payloads)  # page 1's bytes into page 2
     for pool, want in zip(runner.kv.keys + runner.kv.values, expected):

@@ -292,6 +292,27 @@ FAMILY_OPTIONS = {
         "norm_topk_prob": True,
     },
     "qwen3_5": {"num_hidden_layers": 4, **HYBRID_OPTIONS},  # the last layer an attention one
+    # Gemma 4's options: local layers (window 40) and global ones with other head sizes and counts and a
+    # proportional rope, the last two layers reading earlier layers' K/V (a double-wide MLP there), per-layer
+    # inputs, soft-capped logits
+    "gemma4_text": {
+        "num_hidden_layers": 5,
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        "head_dim": 32,
+        "global_head_dim": 64,
+        "num_key_value_heads": 2,
+        "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 362,
+        "sliding_window": 40,
+        "final_logit_softcapping": 30.0,
+    },
     # gpt-oss's options: a sliding (window 40, mid-page, inside the long prompt) and a full layer, attention
     # sinks, experts with its clamped SwiGLU and biases, yarn rope
     "gpt_oss": {

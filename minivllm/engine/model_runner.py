@@ -37,30 +37,38 @@ _STORED_AS = {mx.bfloat16: mx.uint16}
 
 @dataclass
 class KVGeometry:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    """The KV pools' shapes: (kv heads, head dim) of each attention layer that keeps K/V. A hybrid model's
+    linear layers keep none, nor do Gemma 4's KV-sharing layers (they read an earlier layer's); Gemma 4's
+    global layers have other head counts and sizes than its local ones."""
+
+    layers: tuple[tuple[int, int], ...]
     dtype: mx.Dtype
 
     @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        return 2 * sum(heads * dim for heads, dim in self.layers) * self.dtype.size
 
     @classmethod
     def of(cls, model: nn.Module, dtype: mx.Dtype) -> "KVGeometry":
-        """The attention layers' (a hybrid model's linear layers have no KV)."""
-        layers = [b.self_attn for b in model.model.layers if hasattr(b, "self_attn")]
-        attn = layers[0]
-        # mlx-lm's names, or gpt-oss's and the hybrids' modules' own
-        heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
-        heads_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
-        # Qwen3's attention modules keep no head_dim, and its head_dim is not hidden_size / heads
-        head_dim = (
-            getattr(attn, "head_dim", None)
-            or getattr(model.args, "head_dim", None)
-            or model.args.hidden_size // heads
-        )
-        return cls(len(layers), heads_kv, head_dim, dtype)
+        blocks = [b.self_attn for b in model.model.layers if hasattr(b, "self_attn")]
+        return cls(tuple(_pool_shape(model, attn) for attn in blocks if getattr(attn, "has_kv", True)), dtype)
+
+
+def _pool_shape(model: nn.Module, attn: nn.Module) -> tuple[int, int]:
+    # mlx-lm's names, or gpt-oss's and the hybrids' modules' own
+    heads = getattr(attn, "n_heads", None) or attn.num_attention_heads
+    heads_kv = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+    # Qwen3's attention modules keep no head_dim, and its head_dim is not hidden_size / heads
+    head_dim = (
+        getattr(attn, "head_dim", None)
+        or getattr(model.args, "head_dim", None)
+        or model.args.hidden_size // heads
+    )
+    return heads_kv, head_dim
 
 
 @dataclass
@@ -112,11 +120,12 @@ class ModelRunner:
 
     def reset_kv(self) -> None:
         g = self.geometry
-        shape = (g.num_kv_heads, self.num_slots, g.head_dim)  # head-major: see kernels.paged_attention
+        # head-major pools: see kernels.paged_attention
+        shapes = [(heads, self.num_slots, dim) for heads, dim in g.layers]
         self.kv = None  # let the old pools go before the new ones are allocated
         self.kv = KVPools(
-            keys=[mx.zeros(shape, dtype=g.dtype) for _ in range(g.num_layers)],
-            values=[mx.zeros(shape, dtype=g.dtype) for _ in range(g.num_layers)],
+            keys=[mx.zeros(shape, dtype=g.dtype) for shape in shapes],
+            values=[mx.zeros(shape, dtype=g.dtype) for shape in shapes],
         )
         mx.eval(self.kv.keys, self.kv.values)
 
@@ -126,14 +135,14 @@ class ModelRunner:
         the stepping thread after the step's evaluation: one gather of whole pages per pool, then one copy
         to host memory that nothing of the pools refers to (so the next step's writes stay in place)."""
         index = self._page_index(pages)
-        parts = mx.stack(
-            [mx.take(self._by_page(pool), index, axis=1) for pool in self.kv.keys + self.kv.values]
-        )
-        stored = mx.contiguous(
-            parts.transpose(2, 0, 1, 3, 4)
-        )  # [pages, 2 x layers, kv heads, page, head dim]
-        stored = stored.view(_STORED_AS.get(self.geometry.dtype, self.geometry.dtype))
-        return np.array(stored).reshape(len(pages), -1).view(np.uint8)
+        n = len(pages)
+        # each pool's pages [pages, kv heads, page, head dim], flat per page, pools in order: keys, values
+        parts = [
+            mx.take(self._by_page(pool), index, axis=1).transpose(1, 0, 2, 3).reshape(n, -1)
+            for pool in self.pools
+        ]
+        stored = mx.concatenate(parts, axis=1).view(_STORED_AS.get(self.geometry.dtype, self.geometry.dtype))
+        return np.array(stored).view(np.uint8)
 
     def write_pages(self, pages: list[int], payloads: np.ndarray) -> None:
         """Put pages' KV read back from disk (page_payloads' layout) into the pools, in place, evaluated.
@@ -141,14 +150,22 @@ class ModelRunner:
         2-3x faster than a scatter per token slot after a transpose of all of it, and no copy of it."""
         g, n = self.geometry, len(pages)
         stored = _STORED_AS.get(g.dtype, g.dtype)
-        host = payloads.view(np.dtype(str(stored).removeprefix("mlx.core.")))
-        x = mx.array(host.reshape(n, 2 * g.num_layers, g.num_kv_heads, self.page_size, g.head_dim))
-        x = x.view(g.dtype)
+        host = payloads.view(np.dtype(str(stored).removeprefix("mlx.core."))).reshape(n, -1)
+        x = mx.array(host).view(g.dtype)
         index = self._page_index(pages)
-        for layer in range(g.num_layers):
-            for pools, row in ((self.kv.keys, layer), (self.kv.values, g.num_layers + layer)):
-                pools[layer] = self._put_pages(pools[layer], index, x[:, row])
+        start = 0
+        for k, (heads, dim) in enumerate(g.layers * 2):  # the keys' pools, then the values'
+            size = heads * self.page_size * dim
+            pools, layer = (self.kv.keys, k) if k < g.num_layers else (self.kv.values, k - g.num_layers)
+            part = x[:, start : start + size].reshape(n, heads, self.page_size, dim)
+            pools[layer] = self._put_pages(pools[layer], index, part)
+            start += size
         mx.eval(self.kv.keys, self.kv.values)
+
+    @property
+    def pools(self) -> list[mx.array]:
+        """Every pool, in the page payloads' order: each layer's keys, then each layer's values."""
+        return self.kv.keys + self.kv.values
 
     def _by_page(self, pool: mx.array) -> mx.array:
         """A pool [kv heads, slots, head dim] viewed as [kv heads, pages, page size, head dim]."""

@@ -6,7 +6,8 @@ silently answer wrong tokens. So a model is served only when its `model_type` is
 config uses no option the family's entry does not cover; the error names the architecture and what is
 missing. Each family listed is checked token for token against mlx-lm's own implementation in the tests.
 The blocks' computation lives in one file per family that differs: qwen2 (Qwen2, Qwen3, Llama, Mistral,
-Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text, gpt_oss, qwen3_next (Qwen3-Next and Qwen3.5: hybrid).
+Qwen3-MoE, GLM-4.5 MoE), phi3, gemma3_text, gemma4_text, gpt_oss, qwen3_next (Qwen3-Next and Qwen3.5:
+hybrid).
 """
 
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from minivllm.models import gemma3_text, gpt_oss, phi3, qwen2, qwen3_next
+from minivllm.models import gemma3_text, gemma4_text, gpt_oss, phi3, qwen2, qwen3_next
 from minivllm.models.layers import Architecture
 
 Check = Callable[[dict, nn.Module], str | None]  # the unsupported option it finds, or None
@@ -216,6 +217,33 @@ def hybrid_layout(config: dict, model: nn.Module) -> str | None:
     return None
 
 
+GEMMA4_ROPES = {"default", "proportional"}
+GEMMA4_BLOCK = BLOCK | GEMMA_NORMS
+GEMMA4_MOE = {"router", "experts", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"}
+GEMMA4_MOE |= {"pre_feedforward_layernorm_2"}
+GEMMA4_PER_LAYER = {"per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm"}
+
+
+def gemma4_layout(config: dict, model: nn.Module) -> str | None:
+    """Gemma 4's blocks as the forward reads them: sliding or full layers, each kind's rope one of mlx-lm's
+    that take a position per token, no attention soft-capping, and blocks of mlx-lm's modules only."""
+    if config.get("attn_logit_softcapping"):
+        return f"attention logit soft-capping ({config['attn_logit_softcapping']})"
+    kinds = {b.self_attn.layer_type for b in model.model.layers}
+    if not kinds <= {"sliding_attention", "full_attention"}:
+        return f"layer_types {sorted(kinds)}"
+    for kind, params in (config.get("rope_parameters") or {}).items():
+        rope_type = (params or {}).get("rope_type", "default")
+        if rope_type not in GEMMA4_ROPES:
+            return f"rope type {rope_type!r} on {kind} layers"
+    for block in model.model.layers:
+        expected = GEMMA4_BLOCK | (GEMMA4_MOE if block.enable_moe else set())
+        expected |= GEMMA4_PER_LAYER if block.per_layer_input_gate is not None else set()
+        if found := differs("a block", block, expected):
+            return found
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     checks: tuple[Check, ...]
@@ -261,6 +289,8 @@ FAMILIES = {
     "qwen3_next": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
     "qwen3_5": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
     "qwen3_5_moe": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
+    # Gemma 4: mlx-lm's blocks whole but attention (pools per kind of layer, KV shared by the last layers)
+    "gemma4_text": Family((gemma4_layout,), gemma4_text.architecture),
     "gemma3_text": Family(
         SHARED
         + (rope_scaling, gemma_activation, no_experts, gemma_layer_types)

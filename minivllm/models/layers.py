@@ -114,6 +114,13 @@ class Architecture:
     write_block_kv: WriteKV
     embed: Callable[[nn.Module, mx.array], mx.array] = embed
     num_linear_layers: int = 0  # hybrid models' layers with a recurrent state (and no KV pool)
+    # (model, input ids, embedded input) -> what every block reads besides h, made once per step and kept
+    # in layout.shared[STEP_INPUTS] (Gemma 4's per-layer inputs)
+    step_inputs: Callable[[nn.Module, mx.array, mx.array], Any] | None = None
+    logit_softcap: float | None = None  # the logits as softcap * tanh(logits / softcap) (Gemma 4's)
+
+
+STEP_INPUTS = "step inputs"
 
 
 def forward(
@@ -129,6 +136,8 @@ def forward(
     last num_rows[j] new tokens (a speculative step verifies several), in order: [sum of rows, vocab].
     None when no sequence samples (the step only fills the pools)."""
     h = arch.embed(model, input_ids)
+    if arch.step_inputs is not None:
+        layout.shared[STEP_INPUTS] = arch.step_inputs(model, input_ids, h)
     body = model.model
     *inner, last = body.layers
     for i, block in enumerate(inner):
@@ -142,6 +151,7 @@ def forward(
     rows = layout.last_tokens(sampling, num_rows)
     h = rms_norm(body.norm, arch.decoder_layer(last, h, kv, len(inner), layout, rows))
     head = getattr(model, "language_model", model)  # Qwen3.5 keeps its text model's head there
-    if getattr(head, "lm_head", None) is not None:
-        return head.lm_head(h)
-    return body.embed_tokens.as_linear(h)
+    logits = head.lm_head(h) if getattr(head, "lm_head", None) is not None else body.embed_tokens.as_linear(h)
+    if arch.logit_softcap:
+        return mx.tanh(logits / arch.logit_softcap) * arch.logit_softcap  # mlx-lm's order of operations
+    return logits
