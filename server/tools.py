@@ -14,10 +14,15 @@ its raw text and any other as JSON, with or without a newline between the pieces
 them, 4.7's does not). A forced call is held to the function's schema in that form too; a schema the
 tags cannot express (a string with a pattern, a format or a length, `$defs`) gets the JSON form inside the
 same markers, which that parser also reads.
+
+Gemma 4 writes `<|tool_call>call:NAME{key:value,...}<tool_call|>` (mlx-lm's gemma4 parser): keys bare,
+strings between `<|"|>` delimiters, other values as JSON. A forced call is held to the function's schema in
+that form.
 """
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +78,8 @@ class ToolCalling:
     # GLM's argument tags (ARG_TAGS), as lark snippets (a tag that is an added token by its id); None:
     # the arguments are a JSON object
     arg_tags: tuple[str, ...] | None = None
+    # Gemma 4's string delimiter (GEMMA4_QUOTE) as a lark snippet: its calls are `call:NAME{key:value,...}`
+    gemma_quote: str | None = None
 
     @classmethod
     def of(cls, conv: Conversation, tokenizer) -> "ToolCalling | None":
@@ -101,8 +108,13 @@ class ToolCalling:
         own = tokenizer.has_tool_calling
         start = tokenizer.tool_call_start if own else generic_tools.START
         end = tokenizer.tool_call_end if own else generic_tools.END
-        tagged = own and getattr(tokenizer.tool_parser, "__module__", "").endswith(".glm47")
-        tags = tuple(_lark_marker(t, tokenizer.added_token_id(t)) for t in ARG_TAGS) if tagged else None
+        parser = getattr(tokenizer.tool_parser, "__module__", "") if own else ""
+        tags = None
+        if parser.endswith(".glm47"):
+            tags = tuple(_lark_marker(t, tokenizer.added_token_id(t)) for t in ARG_TAGS)
+        quote = None
+        if parser.endswith(".gemma4"):
+            quote = _lark_marker(GEMMA4_QUOTE, tokenizer.added_token_id(GEMMA4_QUOTE))
         return cls(
             tools=tuple(tools),
             choice=choice,
@@ -114,6 +126,7 @@ class ToolCalling:
             start_token=tokenizer.added_token_id(start),
             end_token=tokenizer.added_token_id(end),
             arg_tags=tags,
+            gemma_quote=quote,
         )
 
     @property
@@ -132,6 +145,8 @@ class ToolCalling:
         start, end = _lark_marker(self.start, self.start_token), _lark_marker(self.end, self.end_token)
         if self.arg_tags is not None and all(_taggable(t.parameters) for t in tools):
             return _tagged_call_grammar(tools, start, end, self.arg_tags)
+        if self.gemma_quote is not None and all(_flat(t.parameters) for t in tools):
+            return _gemma4_call_grammar(tools, start, end, self.gemma_quote)
         schemas = [_call_schema(t) for t in tools]
         body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         body["x-guidance"] = JSON_OPTIONS
@@ -236,6 +251,64 @@ def _tag_value(schema: dict) -> str:
     if "enum" in schema:
         return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
     return _RAW_TEXT
+
+
+GEMMA4_QUOTE = '<|"|>'  # Gemma 4's string delimiter in calls (mlx-lm's gemma4 parser)
+_KEY = re.compile(r"\w+")  # a key Gemma 4 writes bare (the parser quotes these alone)
+
+
+def _flat(parameters: dict | None) -> bool:
+    """A self-contained schema (no $defs to follow), whose call Gemma 4's form can hold."""
+    parameters = parameters or {}
+    return "$defs" not in parameters and "definitions" not in parameters
+
+
+def _gemma4_call_grammar(tools: list[ToolSpec], start: str, end: str, quote: str) -> str:
+    """Lark rules for one call in Gemma 4's form, `call:NAME{key:value,...}` between the call markers: the
+    required arguments in the schema's order, then any of the others in theirs; a plain string between
+    quote delimiters as raw text, any other value as JSON following its schema (which the parser reads:
+    it quotes bare keys and turns delimited strings into JSON strings)."""
+    rules, alternatives = [], []
+    raw = "/(.|\\n)*/" if quote.startswith("<[") else r"/([^<]|<[^|])*/"  # a token delimiter ends it
+    for i, tool in enumerate(tools):
+        parameters = tool.parameters or {}
+        required = set(parameters.get("required", []))
+        names = []
+        for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
+            spelled = f"{key}:" if _KEY.fullmatch(key) else f"{json.dumps(key)}:"
+            if schema.get("type") == "string" and set(schema) <= _PLAIN_STRING_KEYS:
+                value = f"{quote} {_plain_string(schema, raw)} {quote}"
+            else:
+                value = f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
+            rules.append(f"arg_{i}_{j}: {json.dumps(spelled)} {value}")
+            names.append((f"arg_{i}_{j}", key in required))
+        rules.append(f'tool_{i}: "call:" {json.dumps(tool.qualified_name)} "{{" {_argument_list(names)} "}}"')
+        alternatives.append(f"tool_{i}")
+    return f"call: {start} ({' | '.join(alternatives)}) {end}\n" + "\n".join(rules) + "\n"
+
+
+def _plain_string(schema: dict, raw: str) -> str:
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
+    return raw
+
+
+def _argument_list(names: list[tuple[str, bool]]) -> str:
+    """The arguments comma-separated: the required ones in order, then any subset of the others in order."""
+    required = [rule for rule, needed in names if needed]
+    optional = [rule for rule, needed in names if not needed]
+    if required:
+        return " ".join(
+            [required[0], *(f'"," {r}' for r in required[1:]), *(f'("," {o})?' for o in optional)]
+        )
+    if not optional:
+        return ""
+    runs = [
+        " ".join([first, *(f'("," {o})?' for o in optional[k + 1 :])]) for k, first in enumerate(optional)
+    ]
+    return "(" + " | ".join(f"({run})" for run in runs) + ")?"
 
 
 def _call_schema(tool: ToolSpec) -> dict:

@@ -576,8 +576,8 @@ MUTATIONS = [
         "glm-calls-as-json",
         "a forced call on a GLM-format template is held to JSON, not to the template's argument tags",
         "server/tools.py",
-        'tagged = own and getattr(tokenizer.tool_parser, "__module__", "").endswith(".glm47")',
-        "tagged = False",
+        '        if parser.endswith(".glm47"):',
+        "        if False:",
         ("tests/test_tagged_tools.py",),
     ),
     Mutation(
@@ -1397,6 +1397,22 @@ MUTATIONS = [
         "    windows = [body.window_size if b.self_attn.is_sliding else None for b in body.layers]",
         "    windows = [None for b in body.layers]",
         GEMMA4_TESTS,
+    ),
+    Mutation(
+        "gemma4-calls-as-json",
+        "a forced call on a Gemma 4 template written as JSON, which its parser cannot read",
+        "server/tools.py",
+        "        if self.gemma_quote is not None and all(_flat(t.parameters) for t in tools):",
+        "        if False:",
+        ("tests/test_gemma4_tools.py",),
+    ),
+    Mutation(
+        "gemma4-optional-arguments-any-order",
+        "a Gemma 4 call's optional arguments in any order, a comma before the first",
+        "server/tools.py",
+        "for o in optional[k + 1 :])]) for k, first in enumerate(optional)",
+        "for o in optional)]) for k, first in enumerate(optional)",
+        ("tests/test_gemma4_tools.py",),
     ),
     Mutation(
         "kv-pages-mixed-shapes",

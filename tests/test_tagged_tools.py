@@ -55,28 +55,28 @@ def server(glm_model_dir):
         yield s
 
 
-def _accepts(tokenizer, grammar: str, text: str) -> bool:
+def accepts(tokenizer, grammar: str, text: str) -> bool:
     """Whether the grammar's matcher takes the text's tokens to an accepting state."""
     ll = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=512)
     matcher = llguidance.LLMatcher(ll, f"start: call\n{grammar}", log_level=0)
     return matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
 
 
-def _calling(tokenizer, tools, choice: str) -> ToolCalling:
+def calling_of(tokenizer, tools, choice: str) -> ToolCalling:
     specs = [ToolSpec(t["function"]["name"], parameters=t["function"].get("parameters")) for t in tools]
     return ToolCalling.of_functions(specs, choice, True, False, tokenizer)
 
 
 def test_the_grammar_of_a_forced_call_follows_the_schema_in_tags(glm_model_dir):
     tokenizer = load_tokenizer(str(glm_model_dir))
-    calling = _calling(tokenizer, [GET_FORECAST, GET_TIME], "get_forecast")
+    calling = calling_of(tokenizer, [GET_FORECAST, GET_TIME], "get_forecast")
     assert calling.arg_tags is not None  # mlx-lm read the template as GLM's
     grammar = calling.call_grammar()
     call = "<tool_call>get_forecast\n<arg_key>city</arg_key>\n<arg_value>{}</arg_value>\n{}</tool_call>"
     rest = "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
-    assert _accepts(tokenizer, grammar, call.format("São Paulo, if a < b", rest))
+    assert accepts(tokenizer, grammar, call.format("São Paulo, if a < b", rest))
     compact = rest.replace("\n", "") + "<arg_key>hours</arg_key><arg_value>[9, 12]</arg_value>"
-    assert _accepts(tokenizer, grammar, call.format("Oslo", compact).replace("\n", ""))  # GLM-4.7's form
+    assert accepts(tokenizer, grammar, call.format("Oslo", compact).replace("\n", ""))  # GLM-4.7's form
     for wrong in [
         call.format("Oslo", rest.replace("celsius", "kelvin")),  # not in the enum
         call.format("Oslo", rest.replace(">3<", ">9<")),  # past the maximum
@@ -88,7 +88,7 @@ def test_the_grammar_of_a_forced_call_follows_the_schema_in_tags(glm_model_dir):
         '<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Oslo"}}\n</tool_call>',  # JSON
         "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>",  # not forced
     ]:
-        assert not _accepts(tokenizer, grammar, wrong), wrong
+        assert not accepts(tokenizer, grammar, wrong), wrong
     # the tags are the tokenizer's added tokens, not their text spelled out
     assert "<[" in grammar and '"<arg_key>"' not in grammar
 
@@ -98,11 +98,11 @@ def test_a_schema_the_tags_cannot_hold_keeps_the_json_form(glm_model_dir):
     mlx-lm's glm47 parser reads too."""
     tokenizer = load_tokenizer(str(glm_model_dir))
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
-    grammar = _calling(tokenizer, [weather], "required").call_grammar()
+    grammar = calling_of(tokenizer, [weather], "required").call_grammar()
     arguments = {"city": "Oslo", "unit": "celsius", "days": 2}
     text = f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': arguments})}\n</tool_call>"
-    assert _accepts(tokenizer, grammar, text)
-    call = _calling(tokenizer, [weather], "required").parse(
+    assert accepts(tokenizer, grammar, text)
+    call = calling_of(tokenizer, [weather], "required").parse(
         text.removeprefix("<tool_call>").removesuffix("</tool_call>")
     )
     assert call.name == "get_weather" and json.loads(call.arguments) == arguments

@@ -66,6 +66,17 @@ GLM_CHAT_TEMPLATE = (
     "{% else %}<|{{ m.role }}|>\n{{ m.content }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# A template in Gemma 4's call format (what mlx-lm infers its gemma4 parser from: the two call markers)
+GEMMA4_TOKENS = ["<|endoftext|>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA4_TOOL_TOKENS = ["<|tool_call>", "<tool_call|>", '<|"|>']
+GEMMA4_CHAT_TEMPLATE = (
+    "{% if tools %}<start_of_turn>system\nTools:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\nCall one as <|tool_call>call:NAME{key:value}<tool_call|><end_of_turn>\n{% endif %}"
+    "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
+    "{% for tc in m.tool_calls or [] %}<|tool_call>call:{{ tc.function.name }}{{ tc.function.arguments | tojson }}"
+    "<tool_call|>{% endfor %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
     "Paged attention stores keys and values in fixed-size blocks of sixteen tokens.",
