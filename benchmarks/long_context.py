@@ -140,6 +140,8 @@ class MlxLm:
         self.n = n
         self.max_context = max_context
         self.context: list | None = None  # KV cache of the longest prompt prefilled so far
+        self.context_prompt: list[int] = []  # that prompt
+        self.built: tuple[int, list] | None = None  # (tokens, each layer's state) of a cache built again
 
     def prefill(self, prompt: list[int], cached: int = 0) -> float:
         assert cached == 0, "mlx-lm's prompt caches are not kept between prompts here"
@@ -150,12 +152,31 @@ class MlxLm:
         t = time.perf_counter()
         next(generate_step(mx.array(prompt), self.model, max_tokens=1, prompt_cache=cache))
         rate = len(prompt) / (time.perf_counter() - t)
-        if self.context is None or cache[0].offset > self.context[0].offset:
-            self.context = cache
+        if self.context is None or len(prompt) > self.context_tokens:
+            self.context, self.context_prompt = cache, prompt
         return rate
 
+    @property
+    def context_tokens(self) -> int:
+        return len(self.context_prompt)
+
     def _cache(self, length: int, batch: int) -> list:
-        """Copies of the context cache holding its first `length` tokens, `batch` rows."""
+        """Copies of the context cache holding its first `length` tokens, `batch` rows. A cache that is not
+        plain K/V (a hybrid's recurrent state, a sliding window's ring buffer) cannot be cut: it is built
+        again from the prompt's first `length` tokens (batch 1)."""
+        from mlx.utils import tree_map
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        if any(type(layer) is not KVCache for layer in self.context):
+            assert batch == 1, "only plain K/V caches are copied into a batch"
+            if self.built is None or self.built[0] != length:
+                cache = make_prompt_cache(self.model)
+                self.model(mx.array(self.context_prompt[:length])[None], cache=cache)
+                mx.eval([layer.state for layer in cache])
+                self.built = length, [(type(layer), layer.state) for layer in cache]
+            copy_of = lambda a: mx.array(a) if isinstance(a, mx.array) else a  # noqa: E731
+            # a copy of it, as mlx-lm loads a saved prompt cache
+            return [kind.from_state(tree_map(copy_of, state)) for kind, state in self.built[1]]
         caches = []
         for layer in self.context:
             c = copy.copy(layer)
