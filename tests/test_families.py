@@ -49,6 +49,15 @@ def test_gemma4_with_experts_and_keys_as_values_answers_mlx_lms_tokens(tmp_path)
     answers_mlx_lms_tokens(path, MlxLmReference(path))
 
 
+def test_a_gemma4_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """model_type gemma4 (text, vision and audio): its language model, token for token."""
+    from tests.tiny_model import TINY_FAMILY_CONFIG
+
+    text = {**TINY_FAMILY_CONFIG, **FAMILY_OPTIONS["gemma4_text"], "model_type": "gemma4_text"}
+    path = make_tiny_family_model(tmp_path / "m", "gemma4", text_config=text)
+    answers_mlx_lms_tokens(path, MlxLmReference(path))
+
+
 def test_gemma4s_logits_are_soft_capped_as_mlx_lms(tmp_path):
     """Soft-capping changes no greedy token: the log-probabilities show it."""
     path = make_tiny_family_model(tmp_path / "m", "gemma4_text", **FAMILY_OPTIONS["gemma4_text"])

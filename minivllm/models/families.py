@@ -291,6 +291,7 @@ FAMILIES = {
     "qwen3_5_moe": Family(SHARED + (rope_scaling, activation, hybrid_layout), qwen3_next.architecture),
     # Gemma 4: mlx-lm's blocks whole but attention (pools per kind of layer, KV shared by the last layers)
     "gemma4_text": Family((gemma4_layout,), gemma4_text.architecture),
+    "gemma4": Family((gemma4_layout,), gemma4_text.architecture),  # the loader keeps its text model alone
     "gemma3_text": Family(
         SHARED
         + (rope_scaling, gemma_activation, no_experts, gemma_layer_types)

@@ -83,6 +83,8 @@ def load_model(
         model, tokenizer, config = mlx_lm.load(resolved, return_config=True)
     except Exception as e:  # mlx-lm raises assorted errors for hub failures and bad directories
         raise ValueError(f"cannot load model {ref!r} ({resolved}): {e}") from e
+    if config.get("model_type") == "gemma4":  # Gemma 4's multimodal checkpoints: their text model runs alone
+        model = model.language_model
     check_supported(config, model)
     config = {**(config.get("text_config") or {}), **config}  # Qwen3.5's text options (vocab, context)
     quantization = describe_quantization(config)
