@@ -196,8 +196,10 @@ async def _pins(
 def think_markers(tokenizer, prompt: list[int]) -> ThinkMarkers:
     """The model's think markers; the output starts in thinking where the generation prompt opened it."""
     wrapper = tokenizer.wrapper
-    tail = tokenizer.decode(prompt[-4:]).rstrip()
-    return ThinkMarkers(wrapper.think_start, wrapper.think_end, tail.endswith(wrapper.think_start))
+    # as many tokens as the start marker takes (Gemma 4's `<|channel>thought` is several), and a few more
+    tail_tokens = len(tokenizer.encode(wrapper.think_start, add_special_tokens=False)) + 3
+    tail = tokenizer.decode(prompt[-tail_tokens:])
+    return ThinkMarkers(wrapper.think_start, wrapper.think_end, tail.rstrip().endswith(wrapper.think_start))
 
 
 def sampling_params(
@@ -349,8 +351,8 @@ def _hidden_tokens(st: ServerState, conv: Conversation, prepared: Prepared) -> f
     if prepared.think is None:
         return st.special_token_ids
     tok = st.engine.tokenizer
-    markers = {tok.added_token_id(prepared.think.start), tok.added_token_id(prepared.think.end)}
-    return st.special_token_ids - markers
+    markers = (prepared.think.start, prepared.think.end)  # either may be several tokens (Gemma 4's start)
+    return st.special_token_ids - {t for m in markers for t in tok.encode(m, add_special_tokens=False)}
 
 
 @dataclass

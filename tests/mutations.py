@@ -1404,7 +1404,7 @@ MUTATIONS = [
         "server/tools.py",
         "        if self.gemma_quote is not None and all(_flat(t.parameters) for t in tools):",
         "        if False:",
-        ("tests/test_gemma4_tools.py",),
+        ("tests/test_gemma4_format.py",),
     ),
     Mutation(
         "gemma4-optional-arguments-any-order",
@@ -1412,7 +1412,15 @@ MUTATIONS = [
         "server/tools.py",
         "for o in optional[k + 1 :])]) for k, first in enumerate(optional)",
         "for o in optional)]) for k, first in enumerate(optional)",
-        ("tests/test_gemma4_tools.py",),
+        ("tests/test_gemma4_format.py",),
+    ),
+    Mutation(
+        "think-start-of-one-token",
+        "thinking opened by a template found only in the prompt's last four tokens (a start of several)",
+        "server/core.py",
+        "    tail = tokenizer.decode(prompt[-tail_tokens:])",
+        "    tail = tokenizer.decode(prompt[-4:])",
+        ("tests/test_gemma4_format.py",),
     ),
     Mutation(
         "kv-pages-mixed-shapes",

@@ -77,6 +77,16 @@ GEMMA4_CHAT_TEMPLATE = (
     "<tool_call|>{% endfor %}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+# Gemma 4's thinking (mlx-lm infers its markers from the vocabulary: `<|channel>thought` ... `<channel|>`), a
+# template that opens it at the generation prompt when asked
+GEMMA4_THINK_TOKENS = ["<|channel>", "<channel|>"]
+GEMMA4_THINKING_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content %}<|channel>thought\n{{ m.reasoning_content }}"
+    "<channel|>{% endif %}{{ m.content }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n"
+    "{% if enable_thinking is defined and enable_thinking %}<|channel>thought\n{% endif %}{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 4,
     "Paged attention stores keys and values in fixed-size blocks of sixteen tokens.",

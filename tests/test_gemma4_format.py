@@ -1,10 +1,12 @@
-"""Tools on a model whose template writes calls in Gemma 4's form (`call:NAME{key:value,...}` between
-`<|tool_call>` and `<tool_call|>`, strings between `<|"|>` delimiters: mlx-lm's gemma4 parser): a forced
-call's grammar follows the function's schema in that form, and the call is parsed back, through the openai
-and anthropic SDKs."""
+"""Gemma 4's chat format. Tools on a model whose template writes calls in Gemma 4's form
+(`call:NAME{key:value,...}` between `<|tool_call>` and `<tool_call|>`, strings between `<|"|>` delimiters:
+mlx-lm's gemma4 parser): a forced call's grammar follows the function's schema in that form, and the call is
+parsed back, through the openai and anthropic SDKs. Thinking between `<|channel>thought` and `<channel|>`
+(markers of several tokens): a thinking block, closed at the budget."""
 
 import json
 
+import anthropic
 import jsonschema
 import pytest
 
@@ -13,7 +15,14 @@ from tests.server_thread import ServerThread, tiny_settings
 from tests.test_api import GET_TIME
 from tests.test_generic_tools import forced_call_round_trip, forced_chat_call
 from tests.test_tagged_tools import FORECAST, GET_FORECAST, SHORT_FORECAST, accepts, calling_of
-from tests.tiny_model import GEMMA4_CHAT_TEMPLATE, GEMMA4_TOKENS, GEMMA4_TOOL_TOKENS, make_tiny_model
+from tests.tiny_model import (
+    GEMMA4_CHAT_TEMPLATE,
+    GEMMA4_THINK_TOKENS,
+    GEMMA4_THINKING_TEMPLATE,
+    GEMMA4_TOKENS,
+    GEMMA4_TOOL_TOKENS,
+    make_tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +94,30 @@ def test_a_forced_call_in_gemma4s_form_comes_back_valid_against_its_schema(serve
 
 def test_a_forced_call_in_gemma4s_form_and_its_round_trip_through_the_messages_api(server):
     forced_call_round_trip(server, {"name": "get_forecast", "input_schema": SHORT_FORECAST})
+
+
+def test_thinking_between_markers_of_several_tokens_is_a_thinking_block_closed_at_the_budget(tmp_path):
+    path = make_tiny_model(
+        tmp_path / "m",
+        chat_template=GEMMA4_THINKING_TEMPLATE,
+        special_tokens=GEMMA4_TOKENS + GEMMA4_THINK_TOKENS,
+        eos_token="<end_of_turn>",
+    )
+    budget = 5
+    with ServerThread(tiny_settings(path)) as server:
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        r, prompts = server.prompts_during(
+            lambda: claude.messages.create(
+                model="tiny",
+                max_tokens=30,
+                messages=[{"role": "user", "content": "Hi"}],
+                thinking={"type": "enabled", "budget_tokens": budget},
+            )
+        )
+        tok = server.engine.tokenizer
+        first, second = prompts
+        assert tok.decode(first).endswith("<start_of_turn>model\n<|channel>thought\n")
+        assert second[: len(first)] == first and second[-1] == tok.added_token_id("<channel|>")
+        assert len(second) - len(first) == budget + 1
+        assert r.content[0].type == "thinking" and r.content[0].thinking
+        assert all(b.type != "thinking" for b in r.content[1:])
