@@ -58,9 +58,9 @@ logger = logging.getLogger(__name__)
 
 MARKER = "<|channel|>"  # in a chat template: the model writes Harmony
 FUNCTIONS = "functions."  # the recipient prefix of a call to one of the request's tools
-# the tokens the grammars name, which the model's tokenizer must have at Harmony's ids
 O200K_SIZE = 199_998  # tokens in o200k_base; Harmony's special tokens follow
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's check
+# the tokens the grammars name, which the model's tokenizer must have at Harmony's ids
 TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
@@ -124,7 +124,7 @@ class HarmonyFormat:
         each message on its own, but drops past reasoning once a turn has its answer)."""
         out = []
         for k in ends:
-            part = self.prompt(turns[:k], tools, thinking)[:-2]  # less `<|start|>assistant`
+            part = self.prompt(turns[:k], tools, thinking)[: -len(self.next_message)]  # less the next message
             out.append(len(part) if ids[: len(part)] == part else 0)
         return out
 
@@ -309,11 +309,12 @@ class HarmonyEvents:
                 events.append(TextDelta(self.index, rest, logprobs))
                 return events
             events += self._messages_done()
+            analysis = self.parser.current_channel == "analysis"
+            self.thinking_tokens += analysis and token != self.harmony.ids["<|message|>"]  # its content
             delta = self.parser.last_content_delta
             if not delta or self.parser.current_recipient:  # a call's arguments come whole, at its end
                 continue
-            if self.parser.current_channel == "analysis":
-                self.thinking_tokens += 1
+            if analysis:
                 if self.show_thinking:
                     events.append(ThinkingDelta(self.index, delta))
             else:

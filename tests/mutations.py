@@ -1443,8 +1443,8 @@ MUTATIONS = [
         "harmony-reasoning-as-answer",
         "the analysis channel read as the answer",
         HARMONY,
-        '            if self.parser.current_channel == "analysis":',
-        '            if self.parser.current_channel == "reasoning":',
+        '            analysis = self.parser.current_channel == "analysis"',
+        '            analysis = self.parser.current_channel == "reasoning"',
         HARMONY_TESTS,
     ),
     Mutation(
