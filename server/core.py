@@ -121,8 +121,11 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
     template_tools = tools and tools.template_tools()
     shown = conv.thinking.mode != ThinkingMode.OFF
     harmony = st.prompts.harmony
-    if harmony is not None:  # gpt-oss always reasons: a forced output's grammar starts with the reasoning
-        structured = harmony_grammar(conv, tools, harmony, conv.thinking.budget_tokens if shown else 0)
+    if harmony is not None:
+        # a forced output's grammar starts with the reasoning where the request asks for it (effort, a
+        # budget, thinking on: within that budget); otherwise, as on every model, with the output itself
+        asked = conv.thinking.mode == ThinkingMode.ON
+        structured = harmony_grammar(conv, tools, harmony, conv.thinking.budget_tokens if asked else 0)
         stops = tuple(dict.fromkeys(conv.sampling.stop_token_ids + harmony.stop_tokens))
         conv = replace(conv, sampling=replace(conv.sampling, stop_token_ids=stops))
     else:

@@ -10,8 +10,9 @@ where Harmony keeps it (before the calls of an unfinished turn) and dropped wher
 
 Reasoning cannot be switched off: gpt-oss always reasons. The request's effort (or thinking budget) sets
 the system message's `Reasoning:` level; thinking off hides the reasoning from the answer. A forced call
-(and a JSON answer) is a grammar over the whole output: the reasoning (bounded by the thinking budget,
-none when thinking is off), then the call on the commentary channel, its arguments held to the schema.
+(and a JSON answer) is a grammar over the whole output: the reasoning where the request asks for it
+(bounded by its thinking budget), then the call on the commentary channel, its arguments held to the
+schema.
 
 openai-harmony loads OpenAI's o200k vocabulary from the network on first use (cached), or from the folder
 `TIKTOKEN_ENCODINGS_BASE` names (a file `o200k_base.tiktoken`). Offline, the server rebuilds that file

@@ -1480,6 +1480,14 @@ MUTATIONS = [
         HARMONY_TESTS,
     ),
     Mutation(
+        "harmony-forced-call-reasons-unasked",
+        "a forced call on gpt-oss reasons first, without bound, when the request did not ask for reasoning",
+        "server/core.py",
+        "        asked = conv.thinking.mode == ThinkingMode.ON",
+        "        asked = conv.thinking.mode != ThinkingMode.OFF",
+        HARMONY_TESTS,
+    ),
+    Mutation(
         "harmony-budget-no-next-message",
         "a reasoning cut at the thinking budget continued without the next message's header",
         "server/generation.py",

@@ -103,6 +103,24 @@ def test_a_forced_call_reasons_within_its_budget_then_calls_valid_against_its_sc
     server.wait_idle()
 
 
+def test_a_forced_call_without_reasoning_asked_calls_at_once(server, oai, claude):
+    """No effort, no thinking field: the grammar starts with the call (the reasoning gpt-oss would write
+    first has no bound the request set), as a forced call does on every model."""
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=FORCED, max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert (
+        r.usage.completion_tokens_details.reasoning_tokens == 0 and r.choices[0].finish_reason == "tool_calls"
+    )
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    m = claude.messages.create(
+        model=MODEL, max_tokens=60, messages=ASK[1:], tools=tools, tool_choice={"type": "any"}
+    )
+    assert [b.type for b in m.content] == ["tool_use"] and m.stop_reason == "tool_use"
+    jsonschema.validate(m.content[0].input, WEATHER)
+    server.wait_idle()
+
+
 def test_the_prompt_is_harmonys_own_rendering_with_the_tool_result(server, oai, encoding):
     """A history with a call and its result renders as openai-harmony renders those messages: the tools
     in the developer message, the call on the commentary channel, the result from functions.get_weather."""
