@@ -93,7 +93,8 @@ class HarmonyFormat:
                 f"this model's template writes Harmony, but its tokenizer does not have {', '.join(differ)} "
                 "at Harmony's ids: not gpt-oss's vocabulary"
             )
-        self.stop_tokens = tuple(self.encoding.stop_tokens_for_assistant_actions())  # <|call|>, <|return|>
+        # <|return|>, <|call|> (openai-harmony gives a set: in no fixed order)
+        self.stop_tokens = tuple(sorted(self.encoding.stop_tokens_for_assistant_actions()))
         # after a message's <|end|>: the header of the assistant's next one
         self.next_message = tuple(self.encoding.encode("<|start|>assistant", allowed_special="all"))
 

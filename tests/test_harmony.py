@@ -277,7 +277,7 @@ def test_offline_the_vocabulary_is_rebuilt_from_the_models_own_tokenizer(server,
         [sys.executable, "-c", script, model], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "(200012, 200002)"
+    assert done.stdout.strip() == "(200002, 200012)"  # <|return|>, <|call|>
     assert (tmp_path / "o200k" / "o200k_base.tiktoken").read_bytes() == vocabulary.read_bytes()
 
 
