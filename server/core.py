@@ -144,7 +144,7 @@ async def prepare_chat(request: Request, st: ServerState, conv: Conversation) ->
     cache = CacheHints(cache_salt(request, conv.cache_salt), pins)
 
     def locate(token: int):
-        return st.prompts.message_at(conv.turns, template_tools, prompt, token)
+        return st.prompts.message_at(conv.turns, template_tools, prompt, token, conv.thinking)
 
     think = think_markers(st.engine.tokenizer, prompt) if thinks and thinking else None
     # effort and budgets act on a model that thinks (Harmony's set its reasoning level)

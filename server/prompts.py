@@ -180,12 +180,17 @@ class PromptBuilder:
         return text.count("\ue000probe") == 1 and text.index("\ue000probe") > text.index("b")
 
     async def message_at(
-        self, turns: Sequence[Turn], tools: list[dict] | None, ids: list[int], token: int
+        self,
+        turns: Sequence[Turn],
+        tools: list[dict] | None,
+        ids: list[int],
+        token: int,
+        reasoning: Thinking = DEFAULT_THINKING,
     ) -> int | None:
         """The index of the turn whose templated text holds prompt token `token` (ids: the prompt chat()
         made of these turns); None if the template cannot render a part of the conversation."""
         if self.harmony is not None:
-            ends = await self.message_ends(turns, tools, ids, list(range(1, len(turns) + 1)))
+            ends = await self.message_ends(turns, tools, ids, list(range(1, len(turns) + 1)), reasoning)
             return min(bisect.bisect_right(ends, token), len(turns) - 1) if all(ends) else None
         dicts, tools = self._turns(turns, tools)
         if len(dicts) != len(turns):  # turns folded or merged: no index maps back

@@ -1488,6 +1488,14 @@ MUTATIONS = [
         HARMONY_TESTS,
     ),
     Mutation(
+        "harmony-turns-at-default-effort",
+        "the turn holding a prompt token looked for in a rendering at the default reasoning level",
+        "server/prompts.py",
+        "            ends = await self.message_ends(turns, tools, ids, list(range(1, len(turns) + 1)), reasoning)",
+        "            ends = await self.message_ends(turns, tools, ids, list(range(1, len(turns) + 1)))",
+        HARMONY_TESTS,
+    ),
+    Mutation(
         "harmony-budget-no-next-message",
         "a reasoning cut at the thinking budget continued without the next message's header",
         "server/generation.py",

@@ -3,6 +3,7 @@ rendered by openai-harmony, its output read back as reasoning, answer and tool c
 openai and anthropic SDKs. A forced call reasons first (within the thinking budget), then calls, its
 arguments valid against the schema; a tool's result goes back as Harmony's tool message."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -170,6 +171,31 @@ def test_the_prompt_is_harmonys_own_rendering_with_the_tool_result(server, oai, 
         and "<|start|>functions.get_weather to=assistant<|channel|>commentary" in text
     )
     server.wait_idle()
+
+
+def test_where_each_turn_ends_in_the_prompt(server, encoding):
+    """Breakpoints (pins) and the prefix-cache report find turns by the prompt's tokens before each: each
+    turn a run of Harmony's messages, at any reasoning level."""
+    from server.conversation import Role as TurnRole
+    from server.conversation import Thinking, ThinkingMode, Turn
+
+    prompts = server.app.state.server.prompts
+    turns = (
+        Turn(TurnRole.SYSTEM, "Be brief."),
+        Turn(TurnRole.USER, "Hi"),
+        Turn(TurnRole.ASSISTANT, "Hello"),
+        Turn(TurnRole.USER, "Bye"),
+    )
+    low = Thinking(ThinkingMode.ON, 256)  # "Reasoning: low" in the system message
+    ids = asyncio.run(prompts.chat(turns, None, None, None, low))
+    ends = asyncio.run(prompts.message_ends(turns, None, ids, [1, 2, 3, 4], low))
+    assert encoding.decode(ids[ends[0] : ends[1]]) == "<|start|>user<|message|>Hi<|end|>"
+    assert (
+        encoding.decode(ids[ends[1] : ends[2]]) == "<|start|>assistant<|channel|>final<|message|>Hello<|end|>"
+    )
+    assert encoding.decode(ids[ends[3] :]) == "<|start|>assistant"
+    assert asyncio.run(prompts.message_at(turns, None, ids, ends[2], low)) == 3
+    assert asyncio.run(prompts.message_at(turns, None, ids, ends[2] - 1, low)) == 2
 
 
 def test_anthropic_streams_a_thinking_block_then_a_tool_use_block_and_sends_the_result_back(server, claude):
