@@ -41,6 +41,7 @@ from openai_harmony import (
     ReasoningEffort,
     Role,
     StreamableParser,
+    StreamState,
     SystemContent,
     ToolDescription,
     load_harmony_encoding,
@@ -62,6 +63,9 @@ FUNCTIONS = "functions."  # the recipient prefix of a call to one of the request
 O200K_SIZE = 199_998  # tokens in o200k_base; Harmony's special tokens follow
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's check
 # the tokens the grammars name, which the model's tokenizer must have at Harmony's ids
+# a message header (`<|channel|>commentary to=functions.NAME <|constrain|>json`) is a few tokens; past this,
+# the model is not writing Harmony (a random or untrained one) and its tokens are passed on as text
+MAX_HEADER_TOKENS = 64
 TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 
@@ -278,6 +282,7 @@ class HarmonyEvents:
         self.parser = StreamableParser(self.harmony.encoding, role=Role.ASSISTANT)
         self.broken = False  # past output the parser could not read: text from here on
         self.read = 0  # messages of the parser already turned into events
+        self.header: list[int] = []  # the tokens of the message header under way
 
     def feed(self, d: Delta) -> list[Event]:
         if d.error:
@@ -306,10 +311,13 @@ class HarmonyEvents:
                 self.parser.process(token)
             except HarmonyError as e:
                 logger.info("output not in Harmony (%s): passed on as text", e)
-                self.broken = True
-                rest = self.harmony.encoding.decode(list(d.token_ids[k:]))
-                events.append(TextDelta(self.index, rest, logprobs))
-                return events
+                return events + self._break(list(d.token_ids[k:]), logprobs)
+            self.header = self.header + [token] if self.parser.state == StreamState.HEADER else []
+            if len(self.header) > MAX_HEADER_TOKENS:  # no header is this long: the output is not Harmony
+                logger.info(
+                    "output not in Harmony (a header of %d tokens): passed on as text", len(self.header)
+                )
+                return events + self._break(self.header + list(d.token_ids[k + 1 :]), logprobs)
             events += self._messages_done()
             analysis = self.parser.current_channel == "analysis"
             self.thinking_tokens += analysis and token != self.harmony.ids["<|message|>"]  # its content
@@ -325,6 +333,11 @@ class HarmonyEvents:
         if logprobs:
             events.append(TextDelta(self.index, "", logprobs))
         return events
+
+    def _break(self, tokens: list[int], logprobs: tuple) -> list[Event]:
+        """From here on the output is text: these tokens' text first."""
+        self.broken = True
+        return [TextDelta(self.index, self.harmony.encoding.decode(tokens), logprobs)]
 
     def _messages_done(self) -> list[Event]:
         """Calls among the messages the parser finished since the last look."""

@@ -1496,6 +1496,14 @@ MUTATIONS = [
         HARMONY_TESTS,
     ),
     Mutation(
+        "harmony-endless-header",
+        "output that never ends a message header (an untrained model) swallowed as a header, no text",
+        HARMONY,
+        "            if len(self.header) > MAX_HEADER_TOKENS:",
+        "            if False:",
+        HARMONY_TESTS,
+    ),
+    Mutation(
         "harmony-budget-no-next-message",
         "a reasoning cut at the thinking budget continued without the next message's header",
         "server/generation.py",

@@ -345,6 +345,14 @@ def test_output_that_is_not_harmony_is_passed_on_as_text(vocabulary, encoding):
     events = parser.feed(Delta(0, "", tokens, [], None)) + parser.feed(Delta(0, "more", [], [], "stop"))
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert text.startswith("Hi") and "oops" in text and text.endswith("more")
+    # a model that never writes a message header's end (an untrained one): its text, once the header is
+    # longer than any real one
+    rambling = HarmonyEvents(0, harmony)
+    words = encoding.encode(" the quick brown fox" * 40)
+    first, rest = words[:100], words[100:]  # each delta with its text, as the generation gives it
+    events = rambling.feed(Delta(0, encoding.decode(first), first, [], None))
+    events += rambling.feed(Delta(0, encoding.decode(rest), rest, [], "length"))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == " the quick brown fox" * 40
 
 
 class _TokenizerOfEncoding:
