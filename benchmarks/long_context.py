@@ -152,13 +152,9 @@ class MlxLm:
         t = time.perf_counter()
         next(generate_step(mx.array(prompt), self.model, max_tokens=1, prompt_cache=cache))
         rate = len(prompt) / (time.perf_counter() - t)
-        if self.context is None or len(prompt) > self.context_tokens:
+        if self.context is None or len(prompt) > len(self.context_prompt):
             self.context, self.context_prompt = cache, prompt
         return rate
-
-    @property
-    def context_tokens(self) -> int:
-        return len(self.context_prompt)
 
     def _cache(self, length: int, batch: int) -> list:
         """Copies of the context cache holding its first `length` tokens, `batch` rows. A cache that is not

@@ -48,13 +48,13 @@ from openai_harmony import (
 )
 from openai_harmony import Conversation as HarmonyConversation
 
-from minivllm.engine.grammar import JSON_OPTIONS
 from minivllm.engine.validation import RequestError
 from minivllm.models.loader import cache_dir
 from server.conversation import Role as TurnRole
 from server.conversation import Thinking, ThinkingMode, ToolCall, ToolSpec, Turn
 from server.events import Event, Failed, Finished, StopReason, TextDelta, ThinkingDelta, ToolCallDone
 from server.generation import Delta
+from server.tools import json_value
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class HarmonyFormat:
     def __init__(self, tokenizer) -> None:
         self.encoding = _load_encoding(tokenizer)
         self.ids = {t: self.encoding.encode(t, allowed_special="all")[0] for t in TOKENS}
+        self.lark = {t: f"<[{i}]>" for t, i in self.ids.items()}  # as lark token literals, by id
         differ = [t for t, i in self.ids.items() if tokenizer.added_token_id(t) != i]
         if differ:
             raise ValueError(
@@ -157,7 +158,7 @@ class HarmonyFormat:
         """Lark (llguidance's): the reasoning first unless thinking_tokens is 0 (at most that many tokens,
         when set), then one of bodies: a message after its `<|channel|>` (call_alternatives,
         answer_alternative)."""
-        t = self._lark
+        t = self.lark
         body = "body: " + " | ".join(f"({b})" for b in bodies) + "\n"
         if thinking_tokens == 0:
             return f"start: {t['<|channel|>']} body\n{body}"
@@ -170,25 +171,18 @@ class HarmonyFormat:
 
     def call_alternatives(self, tools: Sequence[ToolSpec]) -> list[str]:
         """A call of one of tools on the commentary channel, its arguments valid against its schema."""
-        t = self._lark
+        t = self.lark
         out = []
         for tool in tools:
-            schema = {**(tool.parameters or {"type": "object", "properties": {}}), "x-guidance": JSON_OPTIONS}
+            arguments = json_value(tool.parameters or {"type": "object", "properties": {}})
             head = json.dumps(f"commentary to={FUNCTIONS}{tool.qualified_name} ")
-            json_body = f"%json {json.dumps(schema)}"
-            out.append(f'{head} {t["<|constrain|>"]} "json" {t["<|message|>"]} {json_body} {t["<|call|>"]}')
+            out.append(f'{head} {t["<|constrain|>"]} "json" {t["<|message|>"]} {arguments} {t["<|call|>"]}')
         return out
 
     def answer_alternative(self, schema: dict | None) -> str:
         """A final answer that is JSON (valid against schema, or any object)."""
-        t = self._lark
-        answer = {**(schema or {"type": "object"}), "x-guidance": JSON_OPTIONS}
-        return f'"final" {t["<|message|>"]} %json {json.dumps(answer)} {t["<|return|>"]}'
-
-    @property
-    def _lark(self) -> dict[str, str]:
-        """The Harmony tokens as lark token literals (by id)."""
-        return {name: f"<[{i}]>" for name, i in self.ids.items()}
+        t = self.lark
+        return f'"final" {t["<|message|>"]} {json_value(schema or {"type": "object"})} {t["<|return|>"]}'
 
 
 def _load_encoding(tokenizer) -> HarmonyEncoding:

@@ -3,14 +3,11 @@ or JSON valid against a schema, strict or not), a forced tool call (`tool_choice
 function: one call whose arguments follow the function's schema), or, with tools on "auto" and a JSON
 response format, either of the two."""
 
-import json
-
-from minivllm.engine.grammar import JSON_OPTIONS
 from minivllm.engine.sampling_params import StructuredOutput
 from server.conversation import Conversation
 from server.errors import APIError
 from server.harmony import HarmonyFormat
-from server.tools import ToolCalling
+from server.tools import ToolCalling, json_value
 
 
 def output_grammar(conv: Conversation, calling: ToolCalling | None) -> StructuredOutput | None:
@@ -26,8 +23,8 @@ def output_grammar(conv: Conversation, calling: ToolCalling | None) -> Structure
             StructuredOutput(json_schema=schema) if schema is not None else StructuredOutput(json_object=True)
         )
     # tools on "auto": the answer is either that JSON or a call
-    answer = json.dumps({**(schema or {"type": "object"}), "x-guidance": JSON_OPTIONS})
-    return StructuredOutput(lark=f"start: answer | call\nanswer: %json {answer}\n{calling.call_grammar()}")
+    answer = json_value(schema or {"type": "object"})
+    return StructuredOutput(lark=f"start: answer | call\nanswer: {answer}\n{calling.call_grammar()}")
 
 
 def harmony_grammar(

@@ -241,16 +241,22 @@ def _tagged_call_grammar(tools: list[ToolSpec], start: str, end: str, tags: tupl
     return f"call: {start} ({' | '.join(alternatives)}) {end}\n" + "\n".join(rules) + "\n"
 
 
-def _tag_value(schema: dict) -> str:
-    """An argument's value in its tag: a plain string's raw text (one of its enum or const, if it has
-    them), any other value as JSON following its schema."""
+def _tag_value(schema: dict, raw: str = _RAW_TEXT) -> str:
+    """An argument's value in a call form that writes strings as raw text (GLM's tags, Gemma 4's
+    delimiters): a plain string's text (one of its enum or const, if it has them; else `raw`), any other
+    value as JSON following its schema."""
     if schema.get("type") != "string":
-        return f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
+        return json_value(schema)
     if "const" in schema:
         return json.dumps(schema["const"])
     if "enum" in schema:
         return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
-    return _RAW_TEXT
+    return raw
+
+
+def json_value(schema: dict) -> str:
+    """A lark snippet for compact JSON valid against the schema."""
+    return f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
 
 
 GEMMA4_QUOTE = '<|"|>'  # Gemma 4's string delimiter in calls (mlx-lm's gemma4 parser)
@@ -277,22 +283,14 @@ def _gemma4_call_grammar(tools: list[ToolSpec], start: str, end: str, quote: str
         for j, (key, schema) in enumerate(parameters.get("properties", {}).items()):
             spelled = f"{key}:" if _KEY.fullmatch(key) else f"{json.dumps(key)}:"
             if schema.get("type") == "string" and set(schema) <= _PLAIN_STRING_KEYS:
-                value = f"{quote} {_plain_string(schema, raw)} {quote}"
-            else:
-                value = f"%json {json.dumps(schema | {'x-guidance': JSON_OPTIONS})}"
+                value = f"{quote} {_tag_value(schema, raw)} {quote}"
+            else:  # other values, and strings whose bounds raw text cannot keep
+                value = json_value(schema)
             rules.append(f"arg_{i}_{j}: {json.dumps(spelled)} {value}")
             names.append((f"arg_{i}_{j}", key in required))
         rules.append(f'tool_{i}: "call:" {json.dumps(tool.qualified_name)} "{{" {_argument_list(names)} "}}"')
         alternatives.append(f"tool_{i}")
     return f"call: {start} ({' | '.join(alternatives)}) {end}\n" + "\n".join(rules) + "\n"
-
-
-def _plain_string(schema: dict, raw: str) -> str:
-    if "const" in schema:
-        return json.dumps(schema["const"])
-    if "enum" in schema:
-        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
-    return raw
 
 
 def _argument_list(names: list[tuple[str, bool]]) -> str:

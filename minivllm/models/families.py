@@ -219,8 +219,13 @@ def hybrid_layout(config: dict, model: nn.Module) -> str | None:
 
 GEMMA4_ROPES = {"default", "proportional"}
 GEMMA4_BLOCK = BLOCK | GEMMA_NORMS
-GEMMA4_MOE = {"router", "experts", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"}
-GEMMA4_MOE |= {"pre_feedforward_layernorm_2"}
+GEMMA4_MOE = {
+    "router",
+    "experts",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_1",
+    "post_feedforward_layernorm_2",
+}
 GEMMA4_PER_LAYER = {"per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm"}
 
 
