@@ -15,6 +15,10 @@ traces.
 - agent: agent sessions on long shared system prompts with one-off scans, prompts rotating or not.
 - scan: a few hot conversations under long one-off scans.
 - zipf: prompts drawn from a Zipf popularity over a catalogue of shared prefixes, each with a fresh tail.
+- revisits: popular prompts beside one-off prompts that come back once after a long pause (one to a few
+  caches' worth of blocks later), some also soon after they first came (a retry, a follow-up): the shape
+  of windows of the Mooncake synthetic trace where a long memory of counts keeps the returning prompts
+  as frequent and gives up the popular ones.
 - mooncake: a random contiguous window (a quarter to a half) of one of the two Mooncake traces.
 
     python -m benchmarks.trace_families forest 7 OUT.jsonl   # write one drawn trace
@@ -120,6 +124,37 @@ def zipf(
     weights = [1 / (i + 1) ** exponent for i in range(catalogue)]
     picks = rng.choices(range(catalogue), weights, k=n_requests)
     return [_request(prefixes[i] + blocks.new(rng.randint(*tail_blocks)), blocks, rng) for i in picks]
+
+
+def revisits(
+    seed: int = 0,
+    n_requests: int = 4000,
+    hot: int = 12,
+    hot_prob: float = 0.5,
+    prompt_blocks: tuple[int, int] = (10, 40),
+    soon_prob: float = 0.5,
+    gap: tuple[int, int] = (50, 300),
+) -> list[TraceRequest]:
+    """Each request is a popular prompt (Zipf over ``hot``, probability ``hot_prob``), a one-off prompt's
+    return, or a new one-off prompt: it comes back once ``gap`` requests later and, with ``soon_prob``,
+    also 1-3 requests later. Every request ends in a fresh partial block."""
+    rng, blocks = random.Random(seed), _Blocks()
+    popular = [blocks.new(rng.randint(*prompt_blocks)) for _ in range(hot)]
+    weights = [1 / (i + 1) for i in range(hot)]
+    returns: dict[int, list[int]] = {}  # request number -> the one-off prompt it repeats
+    out: list[TraceRequest] = []
+    for i in range(n_requests):
+        if i in returns:
+            prompt = returns.pop(i)
+        elif rng.random() < hot_prob:
+            prompt = rng.choices(popular, weights)[0]
+        else:
+            prompt = blocks.new(rng.randint(*prompt_blocks))
+            returns.setdefault(i + rng.randint(*gap), prompt)
+            if rng.random() < soon_prob:
+                returns.setdefault(i + rng.randint(1, 3), prompt)
+        out.append(_request(prompt, blocks, rng))
+    return out
 
 
 def mooncake_window(seed: int = 0, name: str = MOONCAKE[0], share: float = 0.33) -> list[TraceRequest]:
@@ -231,6 +266,17 @@ def _zipf_params(rng: random.Random) -> dict:
     )
 
 
+def _revisits_params(rng: random.Random) -> dict:
+    return dict(
+        n_requests=rng.choice((3000, 6000)),
+        hot=rng.choice((4, 12, 40)),
+        hot_prob=round(rng.uniform(0.2, 0.6), 2),
+        prompt_blocks=rng.choice(((5, 20), (10, 40), (20, 80))),
+        soon_prob=rng.choice((0.0, 0.3, 0.6)),
+        gap=rng.choice(((20, 100), (50, 300), (200, 800))),
+    )
+
+
 def _mooncake_params(rng: random.Random) -> dict:
     return dict(name=rng.choice(MOONCAKE), share=rng.choice((0.25, 0.33, 0.5)))
 
@@ -241,6 +287,7 @@ GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "agent": agent_sessions,
     "scan": scans,
     "zipf": zipf,
+    "revisits": revisits,
     "mooncake": mooncake_window,
 }
 PARAMS: dict[str, Callable[[random.Random], dict]] = {
@@ -249,6 +296,7 @@ PARAMS: dict[str, Callable[[random.Random], dict]] = {
     "agent": _agent_params,
     "scan": _scan_params,
     "zipf": _zipf_params,
+    "revisits": _revisits_params,
     "mooncake": _mooncake_params,
 }
 FAMILIES = tuple(GENERATORS)

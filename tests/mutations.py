@@ -168,6 +168,40 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
+        "adaptive-versions-per-entry",
+        "a heap entry's version counts per entry, so a stale heap entry of an evicted key can match the key "
+        "admitted again (a key in use was given up)",
+        "minivllm/cache/eviction.py",
+        "        entry.version = next(self._versions)\n        if entry.pinned",
+        "        entry.version += 1\n        if entry.pinned",
+        ("tests/test_adaptive_eviction.py", "-k", "random_concurrent or old_heap_entries"),
+    ),
+    Mutation(
+        "adaptive-memory-ignored",
+        "the adaptive policy recalls every key of its history whatever its memory",
+        "minivllm/cache/eviction.py",
+        "        if ghost is None or self.memory is None:\n            return ghost",
+        "        if True:\n            return ghost",
+        ("tests/test_adaptive_eviction.py", "tests/test_policy_robustness.py", "-k", "memory or revisits"),
+    ),
+    Mutation(
+        "default-no-strays",
+        "the default's cache gives up its own victims first, not the keys the configuration it follows gave "
+        "up (after a switch it can keep other keys than its leader for good)",
+        "minivllm/cache/eviction.py",
+        "        key = self._pop(self._heaps[STRAY], can_evict)\n        if key is not None:",
+        "        key = None\n        if key is not None:",
+        ("tests/test_adaptive_eviction.py", "-k", "leaders_keys"),
+    ),
+    Mutation(
+        "default-strays-not-marked-at-a-switch",
+        "at a switch the cache's keys the new leader lacks are not marked as strays",
+        "minivllm/cache/eviction.py",
+        "            left = list(self.cache)  # every cached key is checked against the new leader",
+        "            pass",
+        ("tests/test_adaptive_eviction.py", "-k", "leaders_keys"),
+    ),
+    Mutation(
         "default-never-switches",
         "the default policy keeps its first configuration whichever shadow hits more",
         "minivllm/cache/eviction.py",

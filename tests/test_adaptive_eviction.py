@@ -9,7 +9,7 @@ import random
 import pytest
 
 from benchmarks.adversarial_traces import agent_sessions, recency_forest
-from benchmarks.trace_families import forest
+from benchmarks.trace_families import forest, revisits
 from minivllm.cache.eviction import CONFIGURATIONS, FREQUENT, LRU, RECENT, Adaptive, Segmented
 from minivllm.replay import replay_cache
 
@@ -109,6 +109,17 @@ def test_a_ghost_evicted_long_ago_does_not_adapt():
     request(p, [0])  # 25 RECENT evictions after its own: beyond ARC's ghost list, still in the history
     assert p.target_recent == 0
     assert p.count(0) == 2
+
+
+def test_a_short_memory_forgets_the_count_of_a_key_evicted_long_ago():
+    for memory, count in ((None, 2), (1.0, 1), (4.0, 2)):
+        p = Segmented(4, history=10, memory=memory)
+        for i in range(10):
+            request(p, [i])
+        assert p.count(0) == (1 if memory != 1.0 else None)  # 6 evictions after its own
+        request(p, [0])
+        assert p.count(0) == count
+        assert p.segment_sizes()[FREQUENT] == (count == 2)
 
 
 def test_a_fixed_recent_share_ignores_ghost_hits():
@@ -239,10 +250,23 @@ def test_the_default_follows_the_configuration_that_hits_more():
         shadows = [
             replay_cache(trace, Segmented(150, 4.0, *config), "").token_hit_rate for config in CONFIGURATIONS
         ]
-        assert max(range(3), key=shadows.__getitem__) == leader
+        assert max(range(len(shadows)), key=shadows.__getitem__) == leader
         assert policy.mode == leader
-        # a switch costs hits while the cache reshapes
-        assert ours >= 0.98 * max(shadows)
+        # a switch costs hits while the cache reshapes (five configurations: up to three switches here)
+        assert ours >= 0.97 * max(shadows)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_after_a_switch_the_cache_holds_its_leaders_keys_and_hits_as_it_does(seed):
+    """The keys the followed configuration gave up are the cache's first victims: a cache only reordered by
+    the new configuration kept other keys than the leader to the end (0.85x its hits on seed 1)."""
+    trace = revisits(seed, n_requests=6000, hot=6, prompt_blocks=(10, 10), gap=(30, 60))
+    policy = Adaptive(150)
+    ours = replay_cache(trace, policy, "adaptive").token_hit_rate
+    assert policy.mode != 0  # it switched
+    alone = replay_cache(trace, Segmented(150, 4.0, *CONFIGURATIONS[policy.mode]), "").token_hit_rate
+    assert set(policy.cache) == set(policy.shadows[policy.mode])
+    assert ours >= 0.98 * alone
 
 
 def test_one_long_prompt_only_one_shadow_holds_does_not_switch_the_cache():
@@ -267,6 +291,20 @@ def test_the_recency_configuration_is_a_prefix_aware_lru():
         request(p, ["c"])
         request(p, ["a", "b"], partial=True)  # b: a partial last block, which the next turn may continue
         assert victims_among(p, {"a", "b", "c"}) == order
+
+
+def test_a_key_admitted_again_is_never_matched_by_its_old_heap_entries():
+    """A key evicted and admitted again must not be a victim while in use through a heap entry left from
+    before its eviction (its versions start over: they are drawn from one counter per policy)."""
+    p = Segmented(4)
+    request(p, ["k"])
+    request(p, ["k"])
+    p.set_stray("k", True)
+    assert p.evict(lambda _: True) == "k"
+    request(p, ["k"])
+    request(p, ["k"])
+    p.access("k")  # in use
+    assert p.evict(lambda _: True) is None
 
 
 def test_can_evict_is_honoured_and_skipped_keys_stay_candidates():

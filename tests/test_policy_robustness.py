@@ -16,7 +16,7 @@ from benchmarks.adversarial_traces import (
     rotating_prompts,
     windows,
 )
-from benchmarks.trace_families import forest
+from benchmarks.trace_families import forest, revisits
 from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import load_trace, replay
 
@@ -31,6 +31,9 @@ TRACES = {
     "agent-long-prompts": lambda: agent_sessions(
         5, n_requests=400, n_prompts=6, prompt_blocks=(20, 40), active=24, scan_prob=0.0, turn_blocks=(1, 4)
     ),
+    # popular prompts beside one-off prompts that return after a long pause (0.965x at 500 blocks when
+    # only the long memory's configurations were followed)
+    "revisits": lambda: revisits(1, n_requests=1500, hot=6, prompt_blocks=(5, 15), gap=(60, 240)),
 }
 TRACES_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 FLOORS = {  # (trace, capacity in blocks) -> the least token hit rate accepted
