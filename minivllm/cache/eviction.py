@@ -691,9 +691,9 @@ class Adaptive(EvictionPolicy):
     admitted) is a stray in the cache, its first victim, and at a switch every cached key the new leader
     lacks becomes one. Once the two hold the same keys, the shadow's next victim is the cache's only stray:
     the cache is the leader. Reordered by the leader's rules alone, a switched cache can settle elsewhere
-    for good: on popular prompts beside prompts that return once (6,000 requests, 150 blocks), after two
-    early switches it hit 0.372 of the tokens to the 0.416 of the shadow it followed, with the same
-    configuration and ARC target, to the end of the trace.
+    for good: on popular prompts beside prompts that return once (benchmarks/trace_families.py's revisits,
+    6,000 requests, 150 blocks) it hit 0.328 of the tokens to the end of the trace, against 0.385 for the
+    configuration it followed run alone (0.381 following its keys).
 
     The noise: a shadow's hits come a request at a time, and one long prompt that one shadow happens to
     hold and another does not moves the lead by a hundred blocks. Such a lead says
