@@ -344,8 +344,9 @@ class Segmented(EvictionPolicy):
     its count (it enters FREQUENT). ``memory`` bounds what the policy recalls of it: a key evicted more
     than ``memory`` times the capacity evictions ago comes back as a new key (ARC's own ghost lists
     hold one capacity of keys; a longer memory keeps conversations that come back after a long pause
-    frequent, and floods FREQUENT with prompts used twice a long while apart where they do not). The reuse tallies behind ``expected_uses`` cover counts up to
-    ``MAX_COUNT`` (higher counts share the last tally) and halve whenever they pass
+    frequent, and floods FREQUENT with prompts used twice a long while apart where they do not). The
+    reuse tallies behind ``expected_uses`` cover counts up to ``MAX_COUNT`` (higher counts share the
+    last tally) and halve whenever they pass
     ``TALLY_WINDOW`` times the capacity, so they follow the recent trace. Every operation is
     O(log n) amortised (heaps with lazy deletion, compacted when stale entries pile up; the
     ``MAX_COUNT``-long table is refitted every ``REFIT_EVERY`` tallies). ``recent_share`` fixes
@@ -711,7 +712,8 @@ class Adaptive(EvictionPolicy):
     # Accesses the scores remember, in capacities. Where every configuration hits under a tenth of the tokens
     # (the Mooncake traces at 1k blocks) a window of 4 holds few hits, and leads of 1.5-2 deviations come
     # and go: a Mooncake synthetic window at 1k blocks 0.978x S3FIFO and a scan 1.016x at 4, 1.008x and
-    # 1.033x at 8; the whole synthetic trace 0.0958 and 0.0942 (ARC alone 0.0920).
+    # 1.033x at 8; the whole synthetic trace 0.0958 and 0.0942 (ARC alone 0.0920). Not everywhere: on the
+    # synthetic trace's last quarter at 1k blocks, two switches at 8 (0.967x LRU), none at 4 (1.017x).
     WINDOW = 8.0
     # The lead must pass Z standard deviations of its noise. A lead of a fixed share of the window alone
     # (1-1.5%) let single prompts switch the cache: 17 switches on the synthetic trace's last third at 1k
