@@ -252,8 +252,8 @@ def test_the_default_follows_the_configuration_that_hits_more():
         ]
         assert max(range(len(shadows)), key=shadows.__getitem__) == leader
         assert policy.mode == leader
-        # a switch costs hits while the cache reshapes (five configurations: up to three switches here)
-        assert ours >= 0.97 * max(shadows)
+        # a switch costs hits while the cache reshapes (0.984-0.998x here)
+        assert ours >= 0.98 * max(shadows)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
