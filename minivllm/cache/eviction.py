@@ -712,9 +712,10 @@ class Adaptive(EvictionPolicy):
     # Accesses the scores remember, in capacities. A longer window holds more hits where every configuration
     # hits under a tenth of the tokens (a Mooncake synthetic window at 1k blocks: 0.978x S3FIFO at 4, 1.008x
     # at 8), but it also remembers a configuration's past after its hits have gone: on popular prompts beside
-    # prompts that return once (revisits#14 at 3k blocks) ARC with a short memory led for 1,300 requests,
-    # then fell behind, and the cache followed it 0.969x S3FIFO at 8, 0.975x at 4. At 4: the whole synthetic
-    # trace at 1k blocks 0.0973 (0.0957 at 8), its last quarter 1.017x LRU (two noise switches at 8, 0.967x).
+    # prompts that return once (revisits#14 at 3k blocks) the cache ran ARC with a short memory from request
+    # 318; it fell behind at 1,350 and the cache followed it to 1,482, 0.969x S3FIFO at 8, 0.975x at 4. At 4:
+    # the whole synthetic trace at 1k blocks 0.0973 (0.0957 at 8), its last quarter 1.017x LRU (two noise
+    # switches at 8, 0.967x).
     WINDOW = 4.0
     # The lead must pass Z standard deviations of its noise. A lead of a fixed share of the window alone
     # (1-1.5%) let single prompts switch the cache: 17 switches on the synthetic trace's last third at 1k
