@@ -202,6 +202,22 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py", "-k", "leaders_keys"),
     ),
     Mutation(
+        "default-no-s3fifo-shadow",
+        "the default's last shadow runs S3FIFO's shares on ARC's segments instead of the seed's S3FIFO",
+        "minivllm/cache/eviction.py",
+        "        self.shadows.append(S3FIFO(capacity))",
+        "        self.shadows.append(Segmented(capacity, history, *CONFIGURATIONS[-1]))",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "default-shadow-hits-past-a-miss",
+        "a shadow scores every key it holds, also past the request's first missing block",
+        "minivllm/cache/eviction.py",
+        "            hit = self._hitting[i] = self._hitting[i] and key in shadow",
+        "            hit = key in shadow",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
         "default-never-switches",
         "the default policy keeps its first configuration whichever shadow hits more",
         "minivllm/cache/eviction.py",

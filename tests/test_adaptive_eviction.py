@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.adversarial_traces import agent_sessions, recency_forest
 from benchmarks.trace_families import forest, revisits
-from minivllm.cache.eviction import CONFIGURATIONS, FREQUENT, LRU, RECENT, Adaptive, Segmented
+from minivllm.cache.eviction import CONFIGURATIONS, FREQUENT, LRU, RECENT, S3FIFO, Adaptive, Segmented
 from minivllm.replay import replay_cache
 
 
@@ -244,16 +244,21 @@ def test_the_default_follows_the_configuration_that_hits_more():
     )
     recency = recency_forest(3, n_requests=1500, stay_prob=0.8)
     growing = forest(4, n_requests=1500, live=30)
-    for trace, leader in ((agents, 1), (recency, 0), (growing, 2)):
+    # On the agents' trace S3FIFO, the last shadow, leads (0.252 against 0.180 for frequency first): it gives
+    # up a long prompt's own pages while the prompt is still being read, which a cache that cannot evict
+    # pages in use never matches; the cache follows it and ends at 0.986x the frequency configuration.
+    for trace, leader in ((agents, 4), (recency, 0), (growing, 2)):
         policy = Adaptive(150)
         ours = replay_cache(trace, policy, "adaptive").token_hit_rate
-        shadows = [
-            replay_cache(trace, Segmented(150, 4.0, *config), "").token_hit_rate for config in CONFIGURATIONS
+        runnable = [
+            replay_cache(trace, Segmented(150, 4.0, *config), "").token_hit_rate
+            for config in CONFIGURATIONS[:-1]
         ]
+        shadows = [*runnable, replay_cache(trace, S3FIFO(150), "").token_hit_rate]
         assert max(range(len(shadows)), key=shadows.__getitem__) == leader
         assert policy.mode == leader
         # a switch costs hits while the cache reshapes (0.984-0.998x here)
-        assert ours >= 0.98 * max(shadows)
+        assert ours >= 0.98 * max(runnable)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -267,6 +272,18 @@ def test_after_a_switch_the_cache_holds_its_leaders_keys_and_hits_as_it_does(see
     alone = replay_cache(trace, Segmented(150, 4.0, *CONFIGURATIONS[policy.mode]), "").token_hit_rate
     assert set(policy.cache) == set(policy.shadows[policy.mode])
     assert ours >= 0.98 * alone
+
+
+def test_a_shadow_scores_only_the_hits_the_cache_could_serve():
+    """S3FIFO, the last shadow, can keep a prompt's tail after giving up its head; a lookup stops at the
+    first missing block, so those keys are no hit for the shadow either."""
+    policy = Adaptive(10)
+    prompt = ["a", "b", "c", "d", "e"]
+    request(policy, prompt)  # S3FIFO's small queue holds one key: a-d went to its ghost, e stays
+    assert "e" in policy.shadows[-1] and "a" not in policy.shadows[-1]
+    request(policy, prompt)
+    assert policy.scores[-1] == 0
+    assert policy.scores[0] > 4.5  # the prefix-aware shadows held the whole prompt (5 hits, decayed)
 
 
 def test_one_long_prompt_only_one_shadow_holds_does_not_switch_the_cache():
