@@ -680,7 +680,7 @@ class Adaptive(EvictionPolicy):
     with a short memory leads where prompts come back once after a long while (some windows of the
     Mooncake synthetic trace). None is within 3% of the better of LRU and S3FIFO everywhere, and on popular
     prompts beside one-off prompts that return (benchmarks/trace_families.py's revisits) S3FIFO beat every
-    configuration by up to 6% on held-out seeds (ARC's segments with S3FIFO's shares came closest), so the
+    configuration by 3-4% on held-out seeds (ARC's segments with S3FIFO's shares came closest), so the
     last shadow is the seed's S3FIFO itself, which the cache follows with S3FIFO's shares on ARC's segments
     (its keys, below, do the rest). The policy keeps a shadow of each (keys only, no pages: the same
     accesses and releases, their own evictions), counts the prefix hits of each over the last ``WINDOW``
