@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, Adaptive, make_policy
+from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, Adaptive, PinnedS3FIFO, make_policy
 from minivllm.config import EVICTION_POLICIES, EngineConfig, Eviction
 
 
@@ -213,6 +213,38 @@ def test_forced_eviction_returns_none_when_everything_is_pinned():
     assert p.evict(lambda k: False) is None
     assert state(p) == before
     assert S3FIFO(4).evict(lambda k: True) is None  # empty
+
+
+# --- S3FIFO as a pinned cache runs it (the default's shadow of it) ---
+
+
+def test_pinned_s3fifo_is_the_seeds_s3fifo_when_nothing_stays_in_use():
+    rng = random.Random(7)
+    keys = [rng.randrange(40) for _ in range(3000)]
+    seed, pinned = S3FIFO(12), PinnedS3FIFO(12)
+    for key in keys:
+        assert pinned.access(key) == seed.access(key)
+        pinned.release(key)
+    assert state(pinned) == state(seed)
+
+
+def test_pinned_s3fifo_gives_up_no_key_in_use_and_keeps_its_capacity():
+    """A scan longer than the small queue: the seed's S3FIFO gives up the scan's own first blocks while it
+    reads the rest; a pinned cache cannot, so the room comes from main's keys not in use."""
+    seed, pinned = S3FIFO(10), PinnedS3FIFO(10)  # S=1, M=9
+    for policy in (seed, pinned):
+        for key in range(9):  # nine keys reach main: each seen twice, one at a time
+            policy.access(key)
+            policy.access(key)
+            policy.access(f"cold{key}")
+            policy.release(key)
+            policy.release(f"cold{key}")
+    scan = [f"s{i}" for i in range(5)]
+    assert [k for key in scan for k in seed.access(key)][:4] == ["cold8", *scan[:3]]
+    evicted = [k for key in scan for k in pinned.access(key)]
+    assert not set(evicted) & set(scan)
+    assert all(key in pinned for key in scan) and len(pinned) == 10
+    assert len(evicted) == 5  # cold8, then four of main's keys (second chance: freq 1 each, then gone)
 
 
 # --- LRU and FIFO ---
