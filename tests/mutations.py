@@ -203,7 +203,7 @@ MUTATIONS = [
     ),
     Mutation(
         "default-no-s3fifo-shadow",
-        "the default's last shadow runs S3FIFO's shares on ARC's segments instead of the seed's S3FIFO",
+        "the default's last shadow runs S3FIFO's shares on ARC's segments instead of S3FIFO itself (run pinned)",
         "minivllm/cache/eviction.py",
         "        self.shadows.append(PinnedS3FIFO(capacity))",
         "        self.shadows.append(Segmented(capacity, history, *CONFIGURATIONS[-1]))",
