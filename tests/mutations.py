@@ -219,10 +219,10 @@ MUTATIONS = [
     ),
     Mutation(
         "pinned-s3fifo-gives-up-keys-in-use",
-        "the pinned S3FIFO gives up a small-queue key in use like the seed's",
+        "the pinned S3FIFO gives up keys in use like the seed's",
         "minivllm/cache/eviction.py",
-        "            elif victim in self._in_use:\n                self._small[victim] = 0",
-        "            elif False:\n                self._small[victim] = 0",
+        "        if victim in self._in_use:\n            queue[victim] = 0",
+        "        if False:\n            queue[victim] = 0",
         ("tests/test_eviction.py", "-k", "pinned_s3fifo"),
     ),
     Mutation(

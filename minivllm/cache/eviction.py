@@ -316,12 +316,8 @@ class PinnedS3FIFO(S3FIFO):
             victim, vf = self._small.popitem(last=False)
             if vf >= 1:
                 self._admit_to_main(victim, vf, evicted)
-            elif victim in self._in_use:
-                self._small[victim] = 0
-                kept.add(victim)
             else:
-                self._insert_to_ghost(victim)
-                evicted.append(victim)
+                self._leave_unless_in_use(self._small, victim, kept, evicted)
         if len(self._small) >= self.small_cap:  # all in use: the room comes from main
             self._free_main(len(self._small) + 1 - self.small_cap, evicted)
         self._small[key] = 0
@@ -341,12 +337,18 @@ class PinnedS3FIFO(S3FIFO):
             victim, vf = self._main.popitem(last=False)
             if vf >= 1:
                 self._main[victim] = vf - 1
-            elif victim in self._in_use:
-                self._main[victim] = 0
-                kept.add(victim)
             else:
-                self._insert_to_ghost(victim)
-                evicted.append(victim)
+                self._leave_unless_in_use(self._main, victim, kept, evicted)
+
+    def _leave_unless_in_use(self, queue: OrderedDict, victim: Hashable, kept: set, evicted: list) -> None:
+        """A freq-0 candidate popped from ``queue`` goes to the ghost, as the seed says, unless a request
+        uses it: then it goes back to the queue's tail (``kept``)."""
+        if victim in self._in_use:
+            queue[victim] = 0
+            kept.add(victim)
+        else:
+            self._insert_to_ghost(victim)
+            evicted.append(victim)
 
 
 RECENT, FREQUENT = 0, 1  # the adaptive policy's segments
