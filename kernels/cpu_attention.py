@@ -16,24 +16,19 @@ overlap of graph building and computing.
 """
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from kernels import build
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# -ffast-math defines __FAST_MATH__, under which glibc's math.h declares the vectorised expf (libmvec)
-# that `omp simd` loops call; the kernel's inputs are finite (hidden keys are never exponentiated)
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 MIN_SCORES = 1 << 15  # queries x heads x keys below which MLX's lazy graph is cheaper than a host round trip
 BLOCK = 128  # query rows per causal block
 FEW_ROWS = 64  # a KV head's query rows (its query heads x a block's queries) computed without BLAS
@@ -56,12 +51,12 @@ def load(sgemm_library: str | None, build_dir: Path) -> bool:
     global _library
     if _library is not None:
         return True
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = build.compiler()
     if sgemm_library is None or compiler is None:
         logger.warning("CPU attention kernel off: %s", "no OpenBLAS" if compiler else "no C++ compiler (g++)")
         return False
     try:
-        path = _build(compiler, build_dir)
+        path = build.build(SOURCE, compiler, build_dir)
         library = ctypes.CDLL(str(path))
         sgemm = ctypes.cast(ctypes.CDLL(sgemm_library).cblas_sgemm, ctypes.c_void_p).value
     except (OSError, AttributeError, subprocess.CalledProcessError) as e:
@@ -76,34 +71,6 @@ def load(sgemm_library: str | None, build_dir: Path) -> bool:
 
 def loaded() -> bool:
     return _library is not None
-
-
-def _build(compiler: str, build_dir: Path) -> Path:
-    """The shared library for this source, compiler, flags and processor, compiled if not there yet (into
-    a temporary name first: concurrent builds never load a half-written file)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = "\n".join([SOURCE.read_text(), version, " ".join(FLAGS), _processor()])
-    path = build_dir / f"cpu_attention-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if path.is_file():
-        return path
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build_dir) as tmp:
-        out = Path(tmp) / path.name
-        subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True
-        )
-        os.replace(out, path)
-    logger.info("built the CPU attention kernel: %s", path)
-    return path
-
-
-def _processor() -> str:
-    """What -march=native compiled for: the CPU's model and flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({x for x in lines if x.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 def fits(queries: mx.array, keys: int) -> bool:

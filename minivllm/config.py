@@ -51,6 +51,7 @@ SINGLE_FLIGHT_MODES = tuple(m.value for m in SingleFlight)
 SPECULATIVE_MODES = tuple(m.value for m in Speculative)
 CPU_WEIGHT_LAYOUTS = ("auto", "transposed", "native")  # minivllm.models.cpu_layout.LAYOUTS
 CPU_ATTENTION_MODES = ("compiled", "mlx")  # kernels.cpu_attention, or MLX ops only
+CPU_MATMUL_MODES = ("compiled", "mlx")  # kernels.cpu_quantized_matmul for decode, or float32 weights only
 
 
 @dataclass
@@ -76,6 +77,10 @@ class EngineConfig:
     # CPU backend: attention with many scores (long contexts) in kernels/cpu_attention.cpp, built on this
     # machine at load ("compiled"; MLX ops where it cannot be built), or always with MLX ops ("mlx")
     cpu_attention: str = "compiled"
+    # CPU backend: decode-sized products with a quantized checkpoint's weights read its levels (one byte a
+    # weight) in kernels/cpu_quantized_matmul.cpp, built on this machine at load ("compiled"; the float32
+    # copy where it cannot be built), or always the float32 copy ("mlx")
+    cpu_matmul: str = "compiled"
     # speculative decoding: "ngram" drafts tokens by prompt lookup (minivllm.engine.ngram_draft) and
     # verifies them in the step; speculative_tokens: the most tokens drafted in one step, all requests'
     speculative: Speculative = Speculative.OFF
@@ -116,6 +121,7 @@ class EngineConfig:
         _check(
             self.cpu_attention in CPU_ATTENTION_MODES, f"cpu_attention must be one of {CPU_ATTENTION_MODES}"
         )
+        _check(self.cpu_matmul in CPU_MATMUL_MODES, f"cpu_matmul must be one of {CPU_MATMUL_MODES}")
         _check(self.speculative_tokens >= 1, "speculative_tokens must be >= 1")
         _check(self.kv_disk_bytes is None or self.kv_disk_bytes > 0, "kv_disk_bytes must be > 0")
         _check(self.shadow_requests >= 0, "shadow_requests must be >= 0")

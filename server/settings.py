@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 
 from minivllm.config import (
     CPU_ATTENTION_MODES,
+    CPU_MATMUL_MODES,
     CPU_WEIGHT_LAYOUTS,
     EVICTION_POLICIES,
     PUBLICATION_MODES,
@@ -217,6 +218,14 @@ OPTIONS: tuple[Option, ...] = (
         _choice(CPU_ATTENTION_MODES),
         "CPU backend: long-context attention in a C++ kernel built on this machine at start-up (compiled; MLX "
         "ops where no compiler or OpenBLAS is found), or MLX ops only (mlx)",
+    ),
+    _engine(
+        "cpu_matmul",
+        "MINIVLLM_CPU_MATMUL",
+        str,
+        _choice(CPU_MATMUL_MODES),
+        "CPU backend: decode steps read a quantized model's levels in a C++ kernel built on this machine at "
+        "start-up (compiled; its float32 weights where no compiler is found), or float32 weights only (mlx)",
     ),
     _engine(
         "speculative",

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kernels import activations
+from kernels import activations, cpu_quantized_matmul
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -205,15 +205,22 @@ def test_logprobs_of_greedy_tokens_and_alternatives(tiny_model_dir, reference):
     assert len(out.logprobs) == 3
 
 
-def test_4bit_checkpoint_matches_mlx_lm(tiny_model_dir, tmp_path):
-    """A quantized directory: dequantized to float32 on the CPU, kept 4-bit on a GPU; mlx-lm does the same."""
+@pytest.mark.parametrize("cpu_matmul", ["compiled", "mlx"])
+def test_4bit_checkpoint_matches_mlx_lm(tiny_model_dir, tmp_path, cpu_matmul, monkeypatch):
+    """A quantized directory: dequantized to float32 on the CPU, kept 4-bit on a GPU; mlx-lm does the same.
+    On the CPU, decode steps read the levels in kernels/cpu_quantized_matmul.cpp (compiled) or the float32
+    copy (mlx); the tokens are mlx-lm's either way."""
     from tests.tiny_model import make_tiny_4bit_model
 
+    calls, matmul = [], cpu_quantized_matmul.matmul
+    monkeypatch.setattr(cpu_quantized_matmul, "matmul", lambda x, *a: calls.append(x.shape) or matmul(x, *a))
     q4 = make_tiny_4bit_model(tiny_model_dir, tmp_path / "q4")
-    llm = LLM(str(q4), kv_cache_bytes=4 << 20)
+    llm = LLM(str(q4), kv_cache_bytes=4 << 20, cpu_matmul=cpu_matmul)
     prompts = random_prompts([5, 40], seed=9)
     reference = MlxLmReference(q4)
     assert run_all(llm, prompts, 12) == [reference.greedy(p, 12) for p in prompts]
+    kernel = cpu_matmul == "compiled" and not llm.engine.backend.is_gpu and cpu_quantized_matmul.loaded()
+    assert (len(calls) > 0) == kernel
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, reference, monkeypatch):

@@ -67,7 +67,7 @@ class LLMEngine:
         self.config = config
         self.backend = detect_backend()
         self.model, self.tokenizer, self.model_config = load_model(
-            config.model, self.backend, config.cpu_weight_layout
+            config.model, self.backend, config.cpu_weight_layout, config.cpu_matmul
         )
         self.overlap = config.overlap if config.overlap is not None else self._overlap_by_default()
         self.vocab_size = self.model_config["vocab_size"]

@@ -18,10 +18,12 @@ import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from kernels import cpu_quantized_matmul
 from minivllm.models.backend import Backend, detect_backend
 from minivllm.models.cpu_layout import apply_layout
 from minivllm.models.families import check_supported
-from minivllm.models.gguf_transcode import unpack_levels
+from minivllm.models.gguf_transcode import narrowest_float, unpack_levels
+from minivllm.models.quantized_linear import DecodeQuantizedLinear
 from minivllm.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,9 +76,12 @@ def _converted_gguf(path: Path) -> Path:
 
 
 def load_model(
-    ref: str | None, backend: Backend | None = None, cpu_weight_layout: str = "auto"
+    ref: str | None, backend: Backend | None = None, cpu_weight_layout: str = "auto", cpu_matmul: str = "mlx"
 ) -> tuple[nn.Module, Tokenizer, dict]:
-    """cpu_weight_layout: on the CPU backend, the float32 matrices' layout (cpu_layout.LAYOUTS)."""
+    """cpu_weight_layout: on the CPU backend, the float32 matrices' layout (cpu_layout.LAYOUTS).
+    cpu_matmul: on the CPU backend, "compiled" keeps quantized Linear layers' levels beside their float32
+    copy for decode-sized products in kernels/cpu_quantized_matmul.cpp (where it builds), "mlx" only the
+    float32 copy."""
     backend = backend or detect_backend()
     resolved = resolve_model(ref)
     try:
@@ -90,7 +95,8 @@ def load_model(
     quantization = describe_quantization(config)
     layouts = {}
     if not backend.is_gpu:
-        model = dequantize_to_float32(model)
+        keep_levels = cpu_matmul == "compiled" and cpu_quantized_matmul.load(cache_dir() / "kernels")
+        model = dequantize_to_float32(model, keep_levels)
         layouts = apply_layout(model, cpu_weight_layout, cache_dir() / "cpu_weight_layout.json", backend.blas)
     mx.eval(module_arrays(model))
     dtype = activation_dtype(model)
@@ -131,8 +137,10 @@ def describe_quantization(config: dict) -> str:
     return f"{'mixed ' if '/' in bits else ''}{bits}-bit g{groups}"
 
 
-def dequantize_to_float32(model: nn.Module) -> nn.Module:
+def dequantize_to_float32(model: nn.Module, keep_levels: bool = False) -> nn.Module:
     """Quantized layers become float32 Linear / Embedding layers; every other parameter becomes float32.
+    keep_levels: an affine QuantizedLinear the decode kernel takes becomes a DecodeQuantizedLinear, its
+    float32 Linear and its levels.
 
     The product scale * q + bias is formed in float32 whatever the scales' dtype (float16 scales would
     otherwise round each weight to float16), so transcoded GGUF weights keep their exact values. Affine
@@ -148,12 +156,15 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
             layer = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:
                 layer.bias = module.bias
+            layer.weight = weight
+            if keep_levels and _kernel_takes(module):
+                layer = DecodeQuantizedLinear(layer, *_levels(module))
         elif isinstance(module, nn.QuantizedEmbedding):
             weight = _float_weight(module)
             layer = nn.Embedding(*weight.shape)
+            layer.weight = weight
         else:
             continue
-        layer.weight = weight
         replaced.append((name, layer))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
@@ -173,6 +184,21 @@ def _float_weight(module: nn.Module) -> mx.array:
         )
     mx.eval(weight)  # one matrix at a time: the temporaries stay one matrix big
     return weight
+
+
+def _kernel_takes(module: nn.QuantizedLinear) -> bool:
+    return (
+        module.mode == "affine" and module.bits <= 8 and module.group_size in cpu_quantized_matmul.GROUP_SIZES
+    )
+
+
+def _levels(module: nn.QuantizedLinear) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The layer's levels, one byte each, and its scales and biases: float16 where that holds them exactly
+    (as checkpoints store them; they are float32 here by now), else float32."""
+    scales, biases = np.array(module.scales, np.float32), np.array(module.biases, np.float32)
+    dtype = narrowest_float(scales, biases)
+    levels = np.ascontiguousarray(unpack_levels(np.array(module.weight), module.bits))
+    return levels, scales.astype(dtype), biases.astype(dtype)
 
 
 def module_arrays(model: nn.Module) -> list[mx.array]:
