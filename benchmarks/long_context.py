@@ -6,13 +6,17 @@ another minivllm checkout or itself with the CPU backend's attention on MLX ops.
         [--contexts 1024,16384] [--prefill 512] [--batch 1]  (a subset: its own file, long_context-b1)
         [--tag prefill]  (appended to the file name: long_context-b1-prefill)
         [--mlx-attention]  (adds minivllm with MINIVLLM_CPU_ATTENTION=mlx: the compiled kernel off)
+        [--mlx-matmul]  (adds minivllm with MINIVLLM_CPU_MATMUL=mlx: decode reads the float32 weights)
+        [--kernel-max-rows 8]  (products of up to this many rows read the levels; the engine's: 4)
         [--peer-max-context 16384]  (mlx-lm and the MLX-attention engine only up to this context)
 
 The limits (benchmarks/harness/limits.py) are measured in the same run: the float32 matmul rate over a
 prefill's FLOPs, one batch-1 pass over the weight matrices plus the context's K/V for a decode step.
 
-All engines live in this process and share one copy of the weights (float32 on the CPU backend, as both
-engines run them there), and every measurement is taken for each engine in turn before the next one, so
+All engines live in this process. On the CPU backend minivllm's engines share one copy of the weights
+(float32, and a quantized checkpoint's levels, which its decode steps read: MINIVLLM_CPU_MATMUL); mlx-lm
+and the `--mlx-matmul` engine share a second copy, float32 only (MLX's own quantized CPU kernels are
+slower than that: mlx-lm runs best on this CPU from float32 weights). Every every measurement is taken for each engine in turn before the next one, so
 a busy machine slows them alike and the ratios hold. `--baseline` adds the engine of another commit (a
 temporary git worktree is made for it) or checkout: its `minivllm` and `kernels` packages are imported
 under their own names beside this checkout's (it is given the loaded model, so none of its lazy imports
@@ -58,6 +62,7 @@ from benchmarks.harness.limits import Limits, measure_limits
 from benchmarks.harness.prompts import filler_text, load_tokenizer
 from benchmarks.harness.results import mean_sd, metadata, print_report, write_results
 from benchmarks.harness.runner import base_parser, parse_args, result_name
+from kernels import cpu_quantized_matmul
 from minivllm.models.backend import detect_backend
 from minivllm.models.loader import load_model
 
@@ -67,6 +72,7 @@ SIZES = {  # (contexts, prefill prompts, decode tokens, batch sizes)
 }
 PACKAGES = ("minivllm", "kernels")  # what a checkout's engine is made of
 MLX_ATTENTION = "minivllm, MLX attention"  # this checkout with MINIVLLM_CPU_ATTENTION=mlx
+MLX_MATMUL = "minivllm, float32 decode"  # this checkout with MINIVLLM_CPU_MATMUL=mlx
 
 
 # -- minivllm, this checkout's or another's -------------------------------------------------------------
@@ -301,7 +307,8 @@ def rows_of(rates: dict[str, dict[str, list[float]]], baseline: str | None, limi
         row = {"metric": f"{key} (tok/s)"}
         row |= {name: "—" for name in rates}
         row |= {name: f"{mean:.2f} ± {sd:.2f}" for name, (mean, sd) in cells.items()}
-        for other, label in (("mlx-lm", "mlx-lm"), (MLX_ATTENTION, "MLX attention"), (baseline, "baseline")):
+        others = [("mlx-lm", "mlx-lm"), (MLX_ATTENTION, "MLX attention"), (MLX_MATMUL, "float32 decode")]
+        for other, label in [*others, (baseline, "baseline")]:
             if other in rates:
                 row[f"minivllm / {label}"] = f"{m / cells[other][0]:.2f}x" if other in cells else "—"
         limit = _limit(key, limits)
@@ -331,11 +338,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--mlx-attention", action="store_true", help="also minivllm with MINIVLLM_CPU_ATTENTION=mlx"
     )
+    p.add_argument("--mlx-matmul", action="store_true", help="also minivllm with MINIVLLM_CPU_MATMUL=mlx")
+    p.add_argument(
+        "--kernel-max-rows",
+        type=int,
+        help=f"products of up to this many rows read the quantized levels (default {cpu_quantized_matmul.MAX_ROWS})",
+    )
     p.add_argument(
         "--peer-max-context", type=int, help="mlx-lm and the MLX-attention engine only up to this context"
     )
     p.add_argument("--tag", help="suffix of the results' file name, so that a partial run keeps its own file")
     args = parse_args(p, argv)
+    if args.kernel_max_rows:  # where the kernel stops paying, measured against --mlx-matmul
+        cpu_quantized_matmul.MAX_ROWS = args.kernel_max_rows
     plan = make_plan(args, load_tokenizer(args.model))
     loaded = load_model(
         str(args.model), cpu_matmul="compiled"
@@ -353,10 +368,13 @@ def main(argv: list[str] | None = None) -> None:
             engines[MLX_ATTENTION] = Minivllm(
                 packages, loaded, str(args.model), plan, cap, cpu_attention="mlx"
             )
+        plain = (
+            load_model(str(args.model)) if args.mlx_matmul or not args.skip_mlx_lm else None
+        )  # float32 only
+        if args.mlx_matmul:
+            engines[MLX_MATMUL] = Minivllm(this_checkout(), plain, str(args.model), plan, cpu_matmul="mlx")
         if not args.skip_mlx_lm:
-            # mlx-lm steps the float32 weights with MLX's own products (its quantized kernels are slower on
-            # this CPU): the same weights, without minivllm's kernels
-            engines["mlx-lm"] = MlxLm(load_model(str(args.model))[0], plan["n"], cap)
+            engines["mlx-lm"] = MlxLm(plain[0], plan["n"], cap)
         for engine in engines.values():  # warm-up
             engine.prefill(plan["prefill"][0][0][:32])
         limits = measure_limits(loaded[0], kv_bytes_per_token(args.model))
@@ -372,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         baseline=baseline,
         peer_max_context=cap,
         limits=asdict(limits),
+        kernel_max_rows=cpu_quantized_matmul.MAX_ROWS,
         openblas_num_threads=os.environ.get("OPENBLAS_NUM_THREADS", "unset"),
     )
     notes = (

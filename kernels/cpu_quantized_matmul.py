@@ -25,9 +25,10 @@ from kernels import build
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quantized_matmul.cpp")
-# above this many rows the float32 product is as fast: a decode step of the default model at batch 1 took
-# 75 ms against 158 ms, at 8 rows 205 against 224 (the kernel is compute-bound from a few rows on)
-MAX_ROWS = 8
+# above this many rows the float32 product is as fast: the default model's decode at 1k tokens of context
+# ran 1.44x faster with the kernel at batch 1 and 2, 0.99x at 4, 0.94x at 8 (the kernel is compute-bound
+# from a few rows on, the float32 product bandwidth-bound)
+MAX_ROWS = 4
 GROUP_SIZES = (32, 64, 128)  # the kernel's loops
 # minivllm_quantized_matmul's parameters, in cpu_quantized_matmul.cpp's order
 ARGUMENTS = [
@@ -77,7 +78,7 @@ def matmul(
     n_out, k = levels.shape
     group = k // scales.shape[1]
     mx.eval(x)
-    rows = np.ascontiguousarray(x.reshape(-1, k))
+    rows = np.ascontiguousarray(x).reshape(-1, k)  # the array's own buffer where it is contiguous
     y = np.empty((rows.shape[0], n_out), dtype=np.float32)
     failed = _library.minivllm_quantized_matmul(
         rows.ctypes.data, rows.shape[0], k, levels.ctypes.data, scales.ctypes.data, biases.ctypes.data,

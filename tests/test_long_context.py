@@ -1,15 +1,18 @@
 """Agent-length contexts: greedy tokens equal mlx-lm's at 1k, 8k and 16k tokens of context, with the CPU
 backend's compiled attention kernel (kernels.cpu_attention, which takes these contexts' attention) and with
-MLX ops only. The same long prompt again restores its prefix and still answers the same."""
+MLX ops only, and for a 4-bit checkpoint, whose decode steps read its levels (kernels.cpu_quantized_matmul).
+The same long prompt again restores its prefix and still answers the same."""
+
+import math
 
 import pytest
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_quantized_matmul
 from minivllm import LLM
 from minivllm.models.backend import detect_backend
 from tests.reference import MlxLmReference
 from tests.test_engine import greedy, random_prompts
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import make_tiny_4bit_model, make_tiny_model
 
 LENGTHS = [1024, 8192, 16384]
 
@@ -39,3 +42,15 @@ def test_long_contexts_answer_mlx_lms_tokens(long_model, cpu_attention_mode, mon
     again = llm.generate(prompts[-1], greedy(8))[0]
     assert again.num_cached_tokens == (LENGTHS[-1] - 1) // 16 * 16
     assert again.token_ids == expected[-1]
+
+
+@pytest.mark.skipif(detect_backend().is_gpu, reason="the CPU backend's kernels")
+def test_a_4bit_checkpoint_at_long_contexts_answers_mlx_lms_tokens(long_model, tmp_path, monkeypatch):
+    path, prompts, _ = long_model
+    q4 = make_tiny_4bit_model(path, tmp_path / "q4")
+    expected = [MlxLmReference(q4).greedy(p, 8, prefill_step_size=1024) for p in prompts]
+    calls, matmul = [], cpu_quantized_matmul.matmul
+    monkeypatch.setattr(cpu_quantized_matmul, "matmul", lambda x, *a: calls.append(x.shape) or matmul(x, *a))
+    llm = LLM(str(q4), kv_cache_bytes=64 << 20, max_num_batched_tokens=1024)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == expected
+    assert calls and all(math.prod(shape[:-1]) <= cpu_quantized_matmul.MAX_ROWS for shape in calls)
