@@ -8,9 +8,10 @@ context of --context tokens once. Each run then times, engine by engine:
   - prefill chunk: the step that computes --chunk new tokens after the restored context (a fresh tail each
     run);
   - decode step: the median step of a request decoding at that context.
-Then the same step again with every linear product and every layer's attention timed by wrappers that
-evaluate their inputs first (so each timer holds its own work only; the extra evaluations make the
-wrapped step a little slower than the plain one):
+Both load the weights as the engine does (a quantized checkpoint's decode products read its levels:
+MINIVLLM_CPU_MATMUL). Then the same step again with every linear product and every layer's attention timed
+by wrappers that evaluate their inputs first (so each timer holds its own work only; the extra evaluations
+make the wrapped step a little slower than the plain one):
   - linear layers: every projection and MLP product;
   - attention: each layer's paged attention (for the kernel: its call, the host round trip included);
   - the rest: norms, rope, activations, K/V writes, logits, sampling, graph building and the engine's own
@@ -49,6 +50,7 @@ from minivllm.models import layers
 from minivllm.models.backend import OPENBLAS_PATH, detect_backend
 from minivllm.models.cpu_layout import TransposedLinear
 from minivllm.models.loader import load_model
+from minivllm.models.quantized_linear import DecodeQuantizedLinear
 
 PATHS = ("compiled", "mlx")  # MINIVLLM_CPU_ATTENTION
 LABELS = {"compiled": "compiled kernel", "mlx": "MLX ops"}
@@ -59,13 +61,20 @@ class Timers:
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
+        self.inside = False  # a timed call's own inner calls (a quantized layer's float32 copy) are its time
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
+            if self.inside:
+                return fn(*args, **kwargs)
             mx.eval([a for a in args if isinstance(a, mx.array)])
             start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            mx.eval(out)
+            self.inside = True
+            try:
+                out = fn(*args, **kwargs)
+                mx.eval(out)
+            finally:
+                self.inside = False
             self.seconds[name] += time.perf_counter() - start
             return out
 
@@ -73,11 +82,16 @@ class Timers:
 
     @contextlib.contextmanager
     def installed(self):
-        linear, transposed = nn.Linear.__call__, TransposedLinear.__call__
+        linear, transposed, quantized = (
+            nn.Linear.__call__,
+            TransposedLinear.__call__,
+            DecodeQuantizedLinear.__call__,
+        )
         with (
             mock.patch.object(layers, "paged_attention", self.wrap("attention", pa.paged_attention)),
             mock.patch.object(nn.Linear, "__call__", self.wrap("linear layers", linear)),
             mock.patch.object(TransposedLinear, "__call__", self.wrap("linear layers", transposed)),
+            mock.patch.object(DecodeQuantizedLinear, "__call__", self.wrap("linear layers", quantized)),
         ):
             yield
 
@@ -245,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.context, args.chunk, args.decode_steps = min(args.context, 512), min(args.chunk, 64), 3
     assert detect_backend().name == "cpu", "a profile of the CPU backend"
-    loaded = load_model(str(args.model))
+    loaded = load_model(str(args.model), cpu_matmul="compiled")  # as the engine loads it
     model = loaded[0]
     plan = {"batch": [1], "n": args.decode_steps, "kv_cache_mib": 0}
     plan["kv_cache_mib"] = max(
