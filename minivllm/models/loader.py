@@ -4,7 +4,8 @@ A reference is a local mlx-lm directory, a `.gguf` file (converted once into the
 repo id (downloaded by mlx-lm's hub client), or None for the offline default model. On the CPU backend
 quantized weights are dequantized to float32 at load: MLX's CPU quantized kernels are unusable and float32
 goes through OpenBLAS; the float32 matrices are then kept in the layout OpenBLAS reads fastest
-(minivllm.models.cpu_layout). GPU backends keep the quantized weights.
+(minivllm.models.cpu_layout), and a quantized Linear also keeps its levels for decode-sized products
+(minivllm.models.quantized_linear). GPU backends keep the quantized weights.
 """
 
 import hashlib
