@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quantized_matmul.cpp")
 # above this many rows the float32 product is as fast: the default model's decode at 1k tokens of context
-# ran 1.44x faster with the kernel at batch 1 and 2, 0.99x at 4, 0.94x at 8 (the kernel is compute-bound
-# from a few rows on, the float32 product bandwidth-bound)
+# with the kernel was 1.54x the float32 product's at batch 1, 1.55x at 2, 1.17x at 4 and 0.91x at 8 (the
+# kernel is compute-bound from a few rows on, the float32 product bandwidth-bound;
+# benchmarks/results/long_context-b1-b2-b4-b8-rows.md)
 MAX_ROWS = 4
 GROUP_SIZES = (32, 64, 128)  # the kernel's loops
 # minivllm_quantized_matmul's parameters, in cpu_quantized_matmul.cpp's order

@@ -59,15 +59,15 @@ def measure_limits(model: nn.Module, kv_bytes_per_token: int, rows: int = 512, r
     matmul_s = median_seconds(lambda: mx.eval(x @ big), repeats)
     ones = {w.shape[0]: mx.ones((1, w.shape[0])) for w in weights_and_head}
     pass_s = median_seconds(lambda: mx.eval([ones[w.shape[0]] @ w for w in weights_and_head]), repeats)
+    weight_bytes = sum(w.nbytes for w in weights_and_head)
+    saved = sum(  # a quantized layer's decode reads its levels, scales and biases, not its float32 copy
+        in_out_weight(m.dense).nbytes - m.levels.nbytes - m.scales.nbytes - m.biases.nbytes for m in quantized
+    )
     return Limits(
         matmul_flops=2 * rows * big.size / matmul_s,
         weight_pass_s=pass_s,
-        weight_bytes=sum(w.nbytes for w in weights_and_head),
-        decode_bytes=sum(w.nbytes for w in weights_and_head)
-        + sum(
-            m.levels.nbytes + m.scales.nbytes + m.biases.nbytes - in_out_weight(m.dense).nbytes
-            for m in quantized
-        ),
+        weight_bytes=weight_bytes,
+        decode_bytes=weight_bytes - saved,
         linear_params=sum(w.size for w in weights),
         attention_flops_per_key=4 * heads * head_dim * len(model.model.layers),
         kv_bytes_per_token=kv_bytes_per_token,

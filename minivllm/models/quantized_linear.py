@@ -2,7 +2,7 @@
 
 The CPU backend runs quantized weights as float32 (minivllm.models.loader): for a prefill chunk the
 product is compute-bound and OpenBLAS's float32 sgemm is the fastest there is. A decode step is not: it
-reads every matrix once for a few rows, and float32 is 4-8 times the bytes of the quantized levels. This
+reads every matrix once for a few rows, and float32 is 4 times the bytes of the levels held one byte each. This
 layer keeps both and sends each product where it is faster: few rows to kernels.cpu_quantized_matmul
 (the levels, one byte a weight, with the checkpoint's scales and biases), the rest to its float32 copy
 `dense` (an nn.Linear, or the TransposedLinear minivllm.models.cpu_layout swaps in). Both form the same
