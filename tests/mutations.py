@@ -261,11 +261,39 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py", "tests/test_policy_robustness.py", "-k", "recency or lru_holds"),
     ),
     Mutation(
+        "default-two-deviations-at-the-bound",
+        "the default asks a leader that hits what a cache holding every recent key would for two deviations "
+        "of lead, as any other (one-off prompts that return are given up before the switch to LRU)",
+        "minivllm/cache/eviction.py",
+        "        z = self.Z_AT_BOUND if at_bound else self.Z",
+        "        z = self.Z",
+        ("tests/test_policy_robustness.py", "-k", "lru_holds"),
+    ),
+    Mutation(
+        "default-bound-on-one-block",
+        "the default follows a leader at the bound on a lead of one block (right after the pool fills every "
+        "shadow is at the bound: the first prompt LRU alone holds switches the cache)",
+        "minivllm/cache/eviction.py",
+        "(1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead",
+        "(1 - self.BOUND_SHARE) * self.bound and lead >= 1.0",
+        ("tests/test_policy_robustness.py", "-k", "pool_fills"),
+    ),
+    Mutation(
+        "default-bound-forgets-keys-past-a-miss",
+        "the default's bound records a request's keys only up to its first miss (later keys look new when "
+        "they return)",
+        "minivllm/cache/eviction.py",
+        "        seen = self._remember(key)  # every key, past a miss too\n"
+        "        self._bound_hitting = self._bound_hitting and seen",
+        "        self._bound_hitting = self._bound_hitting and self._remember(key)",
+        ("tests/test_policy_robustness.py", "-k", "floors"),
+    ),
+    Mutation(
         "default-switches-on-noise",
         "the default policy switches configuration on a lead above a fixed share of its window however noisy "
         "(a single long prompt one shadow happens to hold: 17 switches on the synthetic trace's last third)",
         "minivllm/cache/eviction.py",
-        "and lead > self.Z * self._lead_noise(leader, self.mode):",
+        "and lead > z * self._lead_noise(leader, self.mode):",
         "and lead > 0.01 * self.WINDOW * self.capacity:",
         ("tests/test_policy_robustness.py", "-k", "third"),
     ),
@@ -283,8 +311,8 @@ MUTATIONS = [
         "the default policy switches only once the lead also passes 1.5% of its window (on forests that fill "
         "the cache late, the LRU configuration's lead passed its noise long before and the trace ended first)",
         "minivllm/cache/eviction.py",
-        "        if leader != self.mode and lead > self.Z * self._lead_noise(leader, self.mode):",
-        "        if leader != self.mode and lead > max(self.Z * self._lead_noise(leader, self.mode), "
+        "        if leader != self.mode and lead > z * self._lead_noise(leader, self.mode):",
+        "        if leader != self.mode and lead > max(z * self._lead_noise(leader, self.mode), "
         "0.015 * self.WINDOW * self.capacity):",
         ("tests/test_policy_robustness.py", "-k", "late"),
     ),

@@ -775,7 +775,9 @@ class Adaptive(EvictionPolicy):
     standard deviations of it. A configuration that is better gains on most requests (growing
     conversations: the partial block, on every turn), its lead grows with the requests and its noise with
     their square root; on the Mooncake traces at 1k blocks, where every policy hits under a fifth of the
-    tokens, leads of a hundred blocks come and go with single prompts and never pass the test.
+    tokens, leads of a hundred blocks come and go with single prompts and never pass the test. A leader
+    at the bound, within ``BOUND_SHARE`` of the hits of a cache that held the last ``HORIZON`` capacities
+    of keys, needs ``Z_AT_BOUND`` deviations only: no configuration can do better than it.
     """
 
     # Accesses the scores remember, in capacities. A longer window holds more hits where every configuration
@@ -796,6 +798,27 @@ class Adaptive(EvictionPolicy):
     # cache switches sooner where a configuration is better (revisits#15 at 3k blocks: 0.988 of the infinite
     # cache, 0.984 at 2) but also on noise: the whole synthetic trace at 1k blocks 0.0899, under its floor.
     Z = 2.0
+    # A configuration that hits within BOUND_SHARE of what a cache that forgot nothing would have hit is at
+    # the bound: no other can lead it by more, so its lead over the configuration in use says the cache
+    # holds the wrong keys, not that a lucky prompt came by. It needs Z_AT_BOUND deviations, the least at
+    # which one request alone still never switches the cache (its lead is at most its own difference).
+    # Where LRU holds the working set of popular prompts beside one-off prompts that return 50-300 requests
+    # later, two deviations came after the cache had given up prompts that then returned (revisits#42 at
+    # 10k blocks: 0.981 of the infinite cache; 0.990 at the bound), the lead then 19-37 blocks.
+    # The lead must also be LEAD_SHARE of the pool (and a whole block): right after the pool fills every
+    # shadow is still at the bound, few hits have been counted, and a lead of a block or two is one prompt.
+    # On a lead of one block the cache followed LRU from the first miss on the Mooncake synthetic trace's
+    # windows and came back to ARC thousands of requests late (its second third at 1k blocks: 1.29x
+    # max(LRU, S3FIFO), 1.76x without the rule; its first third at 3k: 1.00x against 1.42x, a lead of
+    # 1.8 blocks); on a lead of a fraction of a block, the conversation trace at 10k fell to 0.2302, under
+    # its floor.
+    BOUND_SHARE = 0.005
+    Z_AT_BOUND = 1.0
+    LEAD_SHARE = 0.002
+    # The bound's memory, in capacities of distinct keys: four times the scores' window. At 5 the reuse of
+    # long scans fell out of it, every configuration looked at the bound and the cache followed noise
+    # (scan#58 at 1k blocks: 0.906x max(LRU, S3FIFO); 0.979x from 16 up).
+    HORIZON = 16
 
     prefix_aware = True
 
@@ -812,6 +835,10 @@ class Adaptive(EvictionPolicy):
         # per pair of shadows (i < j): the decayed sum over requests of (hits of i - hits of j) ** 2
         self._noise = {pair: 0.0 for pair in itertools.combinations(range(len(CONFIGURATIONS)), 2)}
         self._decay = 1.0 - 1.0 / (self.WINDOW * capacity)
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # the last HORIZON capacities of keys
+        self.bound = 0.0  # the decayed hits of a cache that held every key in _seen
+        self._bound_hitting = True
+        self._bound_lead = max(1.0, self.LEAD_SHARE * capacity)  # blocks
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.cache
@@ -828,6 +855,10 @@ class Adaptive(EvictionPolicy):
                 self._noise[i, j] += (self._request[i] - self._request[j]) ** 2
             self._request = [0] * len(self.shadows)
             self._hitting = [True] * len(self.shadows)
+            self._bound_hitting = True
+        seen = self._remember(key)  # every key, past a miss too
+        self._bound_hitting = self._bound_hitting and seen
+        self.bound = self.bound * self._decay + self._bound_hitting
         left = []  # the keys the followed shadow gave up
         for i, shadow in enumerate(self.shadows):
             # a prefix hit, as the cache serves it: S3FIFO may hold a key after giving up its parent
@@ -841,7 +872,9 @@ class Adaptive(EvictionPolicy):
             self._noise[pair] *= self._decay * self._decay
         leader = max(range(len(self.scores)), key=self.scores.__getitem__)
         lead = self.scores[leader] - self.scores[self.mode]
-        if leader != self.mode and lead > self.Z * self._lead_noise(leader, self.mode):
+        at_bound = self.scores[leader] >= (1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead
+        z = self.Z_AT_BOUND if at_bound else self.Z
+        if leader != self.mode and lead > z * self._lead_noise(leader, self.mode):
             self.mode = leader
             self.cache.set_mode(*CONFIGURATIONS[leader])
             left = list(self.cache)  # every cached key is checked against the new leader
@@ -851,6 +884,15 @@ class Adaptive(EvictionPolicy):
         evicted = self.cache.access(key, parent, partial)
         self.cache.set_stray(key, key not in followed)
         return evicted
+
+    def _remember(self, key: Hashable) -> bool:
+        """Whether key is among the last HORIZON capacities of distinct keys accessed; it is now."""
+        seen = key in self._seen
+        self._seen[key] = None
+        self._seen.move_to_end(key)
+        if len(self._seen) > self.HORIZON * self.capacity:
+            self._seen.popitem(last=False)
+        return seen
 
     def _lead_noise(self, i: int, j: int) -> float:
         """The standard deviation of the lead of shadow i over shadow j were the two equal.
