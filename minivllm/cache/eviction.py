@@ -777,7 +777,8 @@ class Adaptive(EvictionPolicy):
     their square root; on the Mooncake traces at 1k blocks, where every policy hits under a fifth of the
     tokens, leads of a hundred blocks come and go with single prompts and never pass the test. A leader
     at the bound, within ``BOUND_SHARE`` of the hits of a cache that held the last ``HORIZON`` capacities
-    of keys, needs ``Z_AT_BOUND`` deviations only: no configuration can do better than it.
+    of keys, needs ``Z_AT_BOUND`` deviations only, on a lead of ``LEAD_SHARE`` of the pool: no
+    configuration can do better than it.
     """
 
     # Accesses the scores remember, in capacities. A longer window holds more hits where every configuration
