@@ -283,9 +283,8 @@ MUTATIONS = [
         "the default's bound records a request's keys only up to its first miss (later keys look new when "
         "they return)",
         "minivllm/cache/eviction.py",
-        "        seen = self._remember(key)  # every key, past a miss too\n"
-        "        self._bound_hitting = self._bound_hitting and seen",
-        "        self._bound_hitting = self._bound_hitting and self._remember(key)",
+        "        self._seen.access(key)  # every key, past a miss too\n",
+        "        self._bound_hitting and self._seen.access(key)\n",
         ("tests/test_policy_robustness.py", "-k", "floors"),
     ),
     Mutation(

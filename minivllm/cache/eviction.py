@@ -836,7 +836,7 @@ class Adaptive(EvictionPolicy):
         # per pair of shadows (i < j): the decayed sum over requests of (hits of i - hits of j) ** 2
         self._noise = {pair: 0.0 for pair in itertools.combinations(range(len(CONFIGURATIONS)), 2)}
         self._decay = 1.0 - 1.0 / (self.WINDOW * capacity)
-        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # the last HORIZON capacities of keys
+        self._seen = LRU(self.HORIZON * capacity)  # the last HORIZON capacities of distinct keys
         self.bound = 0.0  # the decayed hits of a cache that held every key in _seen
         self._bound_hitting = True
         self._bound_lead = max(1.0, self.LEAD_SHARE * capacity)  # blocks
@@ -857,7 +857,8 @@ class Adaptive(EvictionPolicy):
             self._request = [0] * len(self.shadows)
             self._hitting = [True] * len(self.shadows)
             self._bound_hitting = True
-        seen = self._remember(key)  # every key, past a miss too
+        seen = key in self._seen
+        self._seen.access(key)  # every key, past a miss too
         self._bound_hitting = self._bound_hitting and seen
         self.bound = self.bound * self._decay + self._bound_hitting
         left = []  # the keys the followed shadow gave up
@@ -885,15 +886,6 @@ class Adaptive(EvictionPolicy):
         evicted = self.cache.access(key, parent, partial)
         self.cache.set_stray(key, key not in followed)
         return evicted
-
-    def _remember(self, key: Hashable) -> bool:
-        """Whether key is among the last HORIZON capacities of distinct keys accessed; it is now."""
-        seen = key in self._seen
-        self._seen[key] = None
-        self._seen.move_to_end(key)
-        if len(self._seen) > self.HORIZON * self.capacity:
-            self._seen.popitem(last=False)
-        return seen
 
     def _lead_noise(self, i: int, j: int) -> float:
         """The standard deviation of the lead of shadow i over shadow j were the two equal.
