@@ -367,29 +367,46 @@ def replay_cache(
     """Replay the trace against a policy object (for one built with options that `replay` does not pass)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    parents: dict = {}  # block -> the block before it, as the trace first showed it
     hit_tokens = total_tokens = hit_blocks = total_blocks = 0
+    for req, k in zip(requests, prefix_hits(requests, cache, block_size)):
+        hit_tokens += min(k * block_size, req.input_length)
+        total_tokens += req.input_length
+        hit_blocks += k
+        total_blocks += len(req.hash_ids)
+    rate = hit_tokens / total_tokens if total_tokens else 0.0
+    unreachable = count_unreachable(cache, trace_parents(requests))
+    return ReplayResult(policy_name, hit_tokens, total_tokens, rate, hit_blocks, total_blocks, unreachable)
+
+
+def prefix_hits(
+    requests: Iterable[TraceRequest], cache: EvictionPolicy, block_size: int = 512
+) -> Iterator[int]:
+    """Replay each request against the cache and yield its prefix hit in blocks: the blocks it found
+    cached, up to the first miss, checked before any access. The request's accesses and releases are
+    done when its count is yielded, so the cache has seen the whole trace once the last one is."""
     for req in requests:
         k = 0
         for h in req.hash_ids:  # residency check before any access: stop at the first miss
             if h not in cache:
                 break
             k += 1
-        hit_tokens += min(k * block_size, req.input_length)
-        total_tokens += req.input_length
-        hit_blocks += k
-        total_blocks += len(req.hash_ids)
         parent, last = None, len(req.hash_ids) - 1
         partial_tail = req.input_length < len(req.hash_ids) * block_size  # the last block is not full
         for i, h in enumerate(req.hash_ids):
-            parents.setdefault(h, parent)
             cache.access(h, parent, partial_tail and i == last)
             parent = h
         for h in reversed(req.hash_ids):  # the request is done: its blocks are released tail first
             cache.release(h)
-    rate = hit_tokens / total_tokens if total_tokens else 0.0
-    unreachable = count_unreachable(cache, parents)
-    return ReplayResult(policy_name, hit_tokens, total_tokens, rate, hit_blocks, total_blocks, unreachable)
+        yield k
+
+
+def trace_parents(requests: Iterable[TraceRequest]) -> dict:
+    """Each block's parent, the block before it, as the trace first showed it."""
+    parents: dict = {}
+    for req in requests:
+        for parent, h in zip([None, *req.hash_ids], req.hash_ids):
+            parents.setdefault(h, parent)
+    return parents
 
 
 class _DiskModel:
@@ -427,7 +444,7 @@ def replay_tiers(
     policy_name = resolve_policy(policy_name)
     ram = make_cache(requests, policy_name, capacity)
     disk = _DiskModel(make_policy(disk_policy, disk_capacity)) if disk_capacity else None
-    parents: dict = {}
+    parents = trace_parents(requests)
     partials: set = set()  # blocks some request had as a partial last block: never written to disk
     ram_tokens = disk_tokens = total_tokens = 0
     for req in requests:
@@ -445,7 +462,6 @@ def replay_tiers(
         parent, last = None, len(blocks) - 1
         partial_tail = req.input_length < len(blocks) * block_size
         for i, h in enumerate(blocks):
-            parents.setdefault(h, parent)
             partial = partial_tail and i == last
             if partial:
                 partials.add(h)

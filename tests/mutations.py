@@ -43,6 +43,17 @@ KERNEL = "kernels/paged_attention.py"
 ROUTING = "minivllm/cluster/routing.py"
 RUNNER = "minivllm/engine/model_runner.py"
 SPECULATIVE_TESTS = ("tests/test_speculative.py",)
+# prefix_hits' accesses and releases of a request, then its yield
+REPLAY_ACCESSES = (
+    "        parent, last = None, len(req.hash_ids) - 1\n"
+    "        partial_tail = req.input_length < len(req.hash_ids) * block_size  # the last block is not full\n"
+    "        for i, h in enumerate(req.hash_ids):\n"
+    "            cache.access(h, parent, partial_tail and i == last)\n"
+    "            parent = h\n"
+    "        for h in reversed(req.hash_ids):  # the request is done: its blocks are released tail first\n"
+    "            cache.release(h)\n"
+    "        yield k\n"
+)
 PINS_TESTS = ("tests/test_pins.py",)
 LAYOUT = "minivllm/models/cpu_layout.py"
 LAYOUT_TESTS = ("tests/test_cpu_layout.py",)
@@ -134,6 +145,15 @@ MUTATIONS = [
         "self._admit_to_main(victim, vf, evicted)  # freq kept",
         "self._admit_to_main(victim, 0, evicted)  # freq kept",
         ("tests/test_eviction.py", "tests/test_replay.py"),
+    ),
+    Mutation(
+        "replay-yields-before-the-requests-accesses",
+        "the replay yields a request's prefix hit before it accesses the request's blocks (a consumer that "
+        "stops with the trace never replays its last request)",
+        "minivllm/replay.py",
+        REPLAY_ACCESSES,
+        "        yield k\n" + REPLAY_ACCESSES.removesuffix("        yield k\n"),
+        ("tests/test_replay.py",),
     ),
     Mutation(
         "adaptive-evicts-inner-pages",

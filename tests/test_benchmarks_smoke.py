@@ -364,6 +364,20 @@ def test_replay_tiers_writes_both_tables(tmp_path):
     assert all(row["from disk"] == "0.0000" and row["blocks written"] == 0 for row in no_disk)
 
 
+def test_replay_diff_lists_the_requests_that_decide_two_policies(tmp_path):
+    from benchmarks import replay_diff
+
+    # two blocks of cache: LRU keeps A when C comes (A was used after B), FIFO gives A up (A came first)
+    lines = [json.dumps({"input_length": 512, "hash_ids": [h]}) for h in (1, 2, 1, 3, 1)]
+    trace = tmp_path / "abaca.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    args = [str(trace), "--capacity", "2", "--policies", "lru,fifo", "--out-dir", str(tmp_path)]
+    assert replay_diff.main(args) == 0
+    md = (tmp_path / "replay_diff-abaca-2.md").read_text()
+    assert "1 of 5 requests differ" in md and "net `lru` - `fifo`: +1 blocks, out of 1" in md
+    assert md.rstrip().splitlines()[-1] == "| 4 | 1 | 1 | 0 | 2 | 2 |"
+
+
 def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
     from benchmarks import families
 

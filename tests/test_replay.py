@@ -15,6 +15,8 @@ from minivllm.replay import (
     format_table,
     load_trace,
     main,
+    make_cache,
+    prefix_hits,
     replay,
     replay_tiers,
     sweep,
@@ -63,6 +65,18 @@ def test_prefix_scan_stops_at_first_miss(policy):
     assert r.total_blocks == 10
     assert r.total_tokens == 10 * BS
     assert r.token_hit_rate == pytest.approx(2 / 10)
+
+
+def test_prefix_hits_yields_each_requests_hit_and_replays_the_whole_trace():
+    trace = [req([1, 2, 3]), req([9, 2, 3]), req([1, 2, 7, 3])]
+    cache = make_cache(trace, "lru", 100)
+    hits = prefix_hits(trace, cache)
+    assert next(hits) == 0 and 3 in cache  # a request's blocks are accessed once its count is yielded
+    assert list(hits) == [0, 2]
+    trace = random_prefix_trace(3)
+    cache = make_cache(trace, DEFAULT_EVICTION, 40)
+    assert sum(prefix_hits(trace, cache)) == replay(trace, DEFAULT_EVICTION, 40).hit_blocks
+    assert set(trace[-1].hash_ids) <= set(cache)
 
 
 def test_hit_tokens_clamped_to_input_length():
