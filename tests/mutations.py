@@ -156,6 +156,22 @@ MUTATIONS = [
         ("tests/test_replay.py",),
     ),
     Mutation(
+        "stray-subtree-kept",
+        "a key the followed configuration gave up is a stray, but the keys under it are not",
+        "minivllm/cache/eviction.py",
+        "        under = list(entry.children) if stray else []\n",
+        "        under = []\n",
+        ("tests/test_adaptive_eviction.py", "tests/test_policy_robustness.py"),
+    ),
+    Mutation(
+        "stray-parent-not-inherited",
+        "a key admitted under a stray key is not a stray unless the followed configuration lacks it",
+        "minivllm/cache/eviction.py",
+        "        stray = stray or (parent is not None and parent.stray)\n",
+        "",
+        ("tests/test_adaptive_eviction.py", "tests/test_policy_robustness.py"),
+    ),
+    Mutation(
         "adaptive-evicts-inner-pages",
         "the adaptive policy lists pages with cached children as victims",
         "minivllm/cache/eviction.py",

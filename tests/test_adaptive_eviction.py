@@ -294,6 +294,21 @@ def test_a_shadow_scores_only_the_hits_the_cache_could_serve():
     assert policy.scores[0] > 4.5  # the prefix-aware shadows held the whole prompt (5 hits, decayed)
 
 
+def test_the_keys_under_a_stray_key_are_strays_and_leave_first():
+    """S3FIFO gives up a prompt's head first; no prefix reaches what lies under it, so the cache gives
+    that up (from its end) before another prompt's older tail."""
+    p = Segmented(8)
+    request(p, ["x", "y"])  # the older prompt
+    request(p, ["a", "b", "c"])
+    p.set_stray("a", True)
+    assert p.evict(lambda _: True) == "c"
+    p.access("d", "b")  # a key admitted under a stray key is one, whatever the caller says
+    p.set_stray("d", False)
+    p.release("d")
+    assert [p.evict(lambda _: True) for _ in range(3)] == ["d", "b", "a"]
+    assert p.evict(lambda _: True) == "y"
+
+
 def test_one_long_prompt_only_one_shadow_holds_does_not_switch_the_cache():
     """A lead made by a single request is noise: its difference counts in the noise while it is under way."""
     policy = Adaptive(100)
