@@ -73,7 +73,8 @@ def markdown(trace: str, capacity: int, policies: Sequence[str], n: int, diffs: 
         f"{len(diffs) - len(won)}",
         f"- net `{a}` - `{b}`: {net:+d} blocks, out of {gross} blocks of differences",
         "",
-        f"| request | blocks | `{a}` hit | `{b}` hit | earlier requests with its first block | requests since the last |",
+        f"| request | blocks | `{a}` hit | `{b}` hit | earlier requests with its first block "
+        "| requests since the last |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [

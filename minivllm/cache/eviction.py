@@ -780,11 +780,11 @@ class Adaptive(EvictionPolicy):
 
     The cache follows the leader's keys, not only its rules: a key the followed shadow gave up (or never
     admitted) is a stray in the cache, its first victim, as is every key under it, and at a switch every
-    cached key the new leader lacks becomes one. Once the two hold the same keys, the shadow's next victim is the cache's only stray:
-    the cache is the leader. Reordered by the leader's rules alone, a switched cache can settle elsewhere
-    for good: on popular prompts beside prompts that return once (benchmarks/trace_families.py's revisits,
-    6,000 requests, 150 blocks) it hit 0.328 of the tokens to the end of the trace, against 0.385 for the
-    configuration it followed run alone (0.381 following its keys).
+    cached key the new leader lacks becomes one. Once the two hold the same keys, the shadow's next victim
+    is the cache's only stray: the cache is the leader. Reordered by the leader's rules alone, a switched
+    cache can settle elsewhere for good: on popular prompts beside prompts that return once
+    (benchmarks/trace_families.py's revisits, 6,000 requests, 150 blocks) it hit 0.328 of the tokens to the
+    end of the trace, against 0.385 for the configuration it followed run alone (0.381 following its keys).
 
     The noise: a shadow's hits come a request at a time, and one long prompt that one shadow happens to
     hold and another does not moves the lead by a hundred blocks. Such a lead says
