@@ -392,6 +392,21 @@ def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
     assert 50 < nodes["minivllm"][0] < 1000 and 50 < nodes["mlx-lm"][0] < 1000
 
 
+def test_random_model_is_quantized_in_the_shape_asked_and_the_engine_runs_it(tmp_path):
+    """The GPU check's model: Qwen2.5-0.5B's shape (overridden here to stay small), 4-bit, group 64."""
+    from benchmarks.random_model import QWEN25_05B, make_random_model
+    from minivllm import LLM, SamplingParams
+
+    shape = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2)
+    path = make_random_model(tmp_path / "m", **shape)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert config | shape == config and config["vocab_size"] == QWEN25_05B["vocab_size"]
+    llm = LLM(str(path), kv_cache_bytes=8 << 20)
+    (out,) = llm.generate(["alpha beta"], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
