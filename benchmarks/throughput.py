@@ -95,11 +95,16 @@ def weight_pass_ms(products: list) -> float:
 def limit_ms(native: nn.Module) -> tuple[float, float]:
     """One batch-1 pass over the model's weight matrices, [out, in] as x @ W.T and [in, out] as x @ W.
     The transposed copies are made a chunk at a time and freed after it (memory stays one model): each
-    chunk is timed in the order it was copied, so the matrices it reads have left the caches."""
-    weights = [m.weight for _, m in native.named_modules() if isinstance(m, nn.Linear)]
+    chunk is timed in the order it was copied, so the matrices it reads have left the caches. Quantized
+    layers (GPU backends keep them) have one layout: their quantized products count in both passes."""
+    modules = [m for _, m in native.named_modules()]
+    weights = [m.weight for m in modules if isinstance(m, nn.Linear)]
+    quantized = [m for m in modules if isinstance(m, nn.QuantizedLinear)]
+    inputs = [mx.ones((1, m.weight.shape[1] * 32 // m.bits)) for m in quantized]
+    quantized_ms = weight_pass_ms([lambda m=m, x=x: m(x) for m, x in zip(quantized, inputs)])
     rows = {w.shape[1]: mx.ones((1, w.shape[1])) for w in weights}
-    native_ms = weight_pass_ms([lambda w=w: rows[w.shape[1]] @ w.T for w in weights])
-    transposed_ms, chunk = 0.0, []
+    native_ms = quantized_ms + weight_pass_ms([lambda w=w: rows[w.shape[1]] @ w.T for w in weights])
+    transposed_ms, chunk = quantized_ms, []
     for i, w in enumerate(weights):
         chunk.append(mx.contiguous(w.T))
         if i == len(weights) - 1 or sum(c.nbytes for c in chunk) + weights[i + 1].nbytes > LIMIT_CHUNK_BYTES:
