@@ -17,6 +17,7 @@ while loading it.
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 
 # isort: split
+import math
 import time
 from unittest import mock
 
@@ -95,16 +96,15 @@ def weight_pass_ms(products: list) -> float:
 def limit_ms(native: nn.Module) -> tuple[float, float]:
     """One batch-1 pass over the model's weight matrices, [out, in] as x @ W.T and [in, out] as x @ W.
     The transposed copies are made a chunk at a time and freed after it (memory stays one model): each
-    chunk is timed in the order it was copied, so the matrices it reads have left the caches. Quantized
-    layers (GPU backends keep them) have one layout: their quantized products count in both passes."""
-    modules = [m for _, m in native.named_modules()]
-    weights = [m.weight for m in modules if isinstance(m, nn.Linear)]
-    quantized = [m for m in modules if isinstance(m, nn.QuantizedLinear)]
-    inputs = [mx.ones((1, m.weight.shape[1] * 32 // m.bits)) for m in quantized]
-    quantized_ms = weight_pass_ms([lambda m=m, x=x: m(x) for m, x in zip(quantized, inputs)])
+    chunk is timed in the order it was copied, so the matrices it reads have left the caches. NaN where
+    the model keeps no float matrices (GPU backends keep quantized layers, and there a product evaluated
+    alone times its launch and synchronisation, not the reading of its weights: no limit)."""
+    weights = [m.weight for _, m in native.named_modules() if isinstance(m, nn.Linear)]
+    if not weights:
+        return math.nan, math.nan
     rows = {w.shape[1]: mx.ones((1, w.shape[1])) for w in weights}
-    native_ms = quantized_ms + weight_pass_ms([lambda w=w: rows[w.shape[1]] @ w.T for w in weights])
-    transposed_ms, chunk = quantized_ms, []
+    native_ms = weight_pass_ms([lambda w=w: rows[w.shape[1]] @ w.T for w in weights])
+    transposed_ms, chunk = 0.0, []
     for i, w in enumerate(weights):
         chunk.append(mx.contiguous(w.T))
         if i == len(weights) - 1 or sum(c.nbytes for c in chunk) + weights[i + 1].nbytes > LIMIT_CHUNK_BYTES:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def report_rows(rates: dict, limits: dict, memory: dict, prompt_len: int) -> list[dict]:
     """One row per metric: each engine's mean ± sd, minivllm's ratios to mlx-lm and to the native layout;
-    then the limit and each engine's share of it, then memory."""
+    then the limit and each engine's share of it (where there is one: CPU backends), then memory."""
     labels = {
         "prefill": f"prefill tok/s ({prompt_len}-token prompt)",
         "decode1": "decode tok/s, batch 1",
@@ -203,6 +203,8 @@ def report_rows(rates: dict, limits: dict, memory: dict, prompt_len: int) -> lis
         row["minivllm / mlx-lm"] = f"{stats['minivllm'][k][0] / stats['mlx-lm'][k][0]:.2f}x"
         row["minivllm / native"] = f"{stats['minivllm'][k][0] / stats['minivllm-native'][k][0]:.2f}x"
         rows.append(row)
+    if any(math.isnan(ms) for ms in limits["native"]):
+        return rows + [memory_row(memory, rates)]
     # per run: the faster layout's pass; shares are of the mean limit rate
     best = [min(a, b) for a, b in zip(limits["native"], limits["transposed"])]
     limit_rate = mean_sd([1000 / ms for ms in best])
@@ -221,14 +223,16 @@ def report_rows(rates: dict, limits: dict, memory: dict, prompt_len: int) -> lis
     )
     share = {name: f"{100 * stats[name]['decode1'][0] / limit_rate[0]:.0f}%" for name in rates}
     rows.append(blank | {"metric": "batch-1 decode, share of the limit"} | share)
-    rows.append(
-        blank
-        | {
-            "metric": "minivllm memory GiB: parameters / in use after load / peak while loading",
-            "minivllm": f"{memory['parameters']:.2f} / {memory['active']:.2f} / {memory['peak']:.2f}",
-        }
-    )
-    return rows
+    return rows + [memory_row(memory, rates)]
+
+
+def memory_row(memory: dict, rates: dict) -> dict:
+    return {name: "" for name in rates} | {
+        "minivllm / mlx-lm": "",
+        "minivllm / native": "",
+        "metric": "minivllm memory GiB: parameters / in use after load / peak while loading",
+        "minivllm": f"{memory['parameters']:.2f} / {memory['active']:.2f} / {memory['peak']:.2f}",
+    }
 
 
 if __name__ == "__main__":

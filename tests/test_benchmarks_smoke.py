@@ -407,6 +407,28 @@ def test_random_model_is_quantized_in_the_shape_asked_and_the_engine_runs_it(tmp
     assert len(out.token_ids) == 4
 
 
+def test_throughput_reports_no_limit_where_the_model_keeps_no_float_matrices():
+    """GPU backends keep quantized layers: no weight-streaming limit there, and no division by it."""
+    import mlx.nn as nn
+
+    from benchmarks.throughput import limit_ms, report_rows
+
+    quantized = nn.QuantizedLinear(64, 64)
+    assert all(math.isnan(ms) for ms in limit_ms(quantized))
+    rates = {
+        name: {k: [10.0] for k in ("prefill", "decode1", "decode8")}
+        for name in ("minivllm", "minivllm-native", "mlx-lm")
+    }
+    memory = {"parameters": 0.1, "active": 0.2, "peak": 0.3}
+    metrics = [
+        r["metric"] for r in report_rows(rates, {"native": [math.nan], "transposed": [math.nan]}, memory, 8)
+    ]
+    assert len(metrics) == 4 and not any("limit" in m for m in metrics) and "memory" in metrics[-1]
+    float_limits = {"native": [2.0], "transposed": [1.0]}
+    assert sum("limit" in r["metric"] for r in report_rows(rates, float_limits, memory, 8)) == 4
+    assert limit_ms(nn.Linear(64, 64))[0] > 0
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
