@@ -1680,6 +1680,22 @@ MUTATIONS = [
         "",
         HARMONY_TESTS,
     ),
+    Mutation(
+        "rope-split-shares-first-offsets",
+        "tokens rotated a few at a time all take the first chunk's positions",
+        "minivllm/models/rope.py",
+        "offset=positions[i : i + rows]",
+        "offset=positions[:rows]",
+        ("tests/test_rope.py",),
+    ),
+    Mutation(
+        "cuda-rope-never-splits",
+        "MLX's CUDA rope gets every token in one call, whatever its rotated dims",
+        "minivllm/models/rope.py",
+        "    if dims >= 32:\n        return None\n",
+        "    return None\n",
+        ("tests/test_rope.py",),
+    ),
 ]
 
 

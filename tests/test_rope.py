@@ -90,3 +90,27 @@ def test_a_module_at_a_freed_modules_id_is_not_taken_for_it():
             np.asarray(rope_module.rope(attn, x, layout)), np.asarray(own_call(attn, x, layout.positions))
         )
         del attn
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_tokens_rotated_a_few_at_a_time_get_the_same_bits(name):
+    """On MLX's CUDA backend the per-token rope of small rotated dims runs a few tokens a call
+    (rope_module.cuda_rope_rows); split anywhere, each token keeps its own position's bits."""
+    attn, layout = Attention(MODULES[name]()), ragged_layout()
+    T = layout.positions.shape[0]
+    x = mx.random.normal((T, 4, HEAD_DIM), key=mx.random.key(7))
+    whole = rope_module.per_token_rope(attn.rope, x, layout.positions)
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(own_call(attn, x, layout.positions)))
+    for rows in (1, 7, T - 1, T):
+        split = rope_module.per_token_rope(attn.rope, x, layout.positions, rows)
+        np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+
+
+@pytest.mark.parametrize(
+    "dims, heads, tokens, one_call",  # what the H200 ran (benchmarks/results/cuda/gpu-check-probe.log)
+    [(16, 4, 64, True), (16, 4, 128, False), (16, 2, 512, False), (16, 1, 1024, False), (64, 2, 750, True)],
+)
+def test_cuda_rope_rows_splits_exactly_the_calls_mlxs_cuda_kernel_failed(dims, heads, tokens, one_call):
+    rows = rope_module.cuda_rope_rows(dims, heads)
+    assert (rows is None or rows >= tokens) == one_call
+    assert rows is None or rows * -(-heads // 4) <= 64  # the block's z within CUDA's limit

@@ -10,6 +10,7 @@ composition, so the same bits. On a tiny model's decode step that is a third of 
 rope modules this file does not know (their arguments are their own).
 """
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import numpy as np
 from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
 from kernels.paged_attention import AttentionLayout
+from minivllm.models.backend import detect_backend
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,9 @@ def rope(attn: nn.Module, x: mx.array, layout: AttentionLayout) -> mx.array:
     T, heads, _ = x.shape
     args, key = _known(attn.rope)
     if args is None or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
-        # each token a length-1 sequence with its own offset: nothing is padded, any backend's rope applies
-        return attn.rope(x.reshape(T, heads, 1, -1), offset=layout.positions).squeeze(2)
+        dims = args.dims if args is not None else getattr(attn.rope, "dims", x.shape[-1])
+        rows = cuda_rope_rows(dims, heads) if _on_cuda() else None
+        return per_token_rope(attn.rope, x, layout.positions, rows)
     cos, sin = _tables(layout, key, args, heads)
     half = args.dims // 2
     x1, x2 = x[..., :half], x[..., half : args.dims]
@@ -67,6 +70,36 @@ def rope(attn: nn.Module, x: mx.array, layout: AttentionLayout) -> mx.array:
     if args.dims < x.shape[-1]:
         parts.append(x[..., args.dims :])
     return mx.concatenate(parts, axis=-1)
+
+
+def per_token_rope(module: nn.Module, x: mx.array, positions: mx.array, rows: int | None = None) -> mx.array:
+    """Each token of x [T, heads, D] a length-1 sequence with its own offset: nothing is padded, any
+    backend's rope applies. rows: at most that many tokens a call (None: all of them in one)."""
+    T, heads, D = x.shape
+    x = x.reshape(T, heads, 1, D)
+    if rows is None or rows >= T:
+        return module(x, offset=positions).squeeze(2)
+    parts = [module(x[i : i + rows], offset=positions[i : i + rows]) for i in range(0, T, rows)]
+    return mx.concatenate(parts).squeeze(2)
+
+
+def cuda_rope_rows(dims: int, heads: int) -> int | None:
+    """How many tokens one `mx.fast.rope` call may rotate on MLX's CUDA backend (0.32), None for any.
+
+    Its kernel sizes the thread block from (dims / 2, 1, tokens * ceil(heads / 4)), handing out powers of
+    two to the three in turn up to 1,024 threads. Below 32 rotated dims the first stops at 8 or less, so
+    the third reaches 128 once tokens * ceil(heads / 4) does: beyond CUDA's limit of 64 on a block's z,
+    and the launch fails ("invalid argument"). Measured on an H200 (benchmarks/results/cuda/): 16 dims
+    fail at 128 tokens of 4 heads, 512 of 2 and 1,024 of 1, and pass at 64 of 4; 64 dims pass at 750 of
+    2. Real models rotate 32 dims or more; tiny test models rotate 16."""
+    if dims >= 32:
+        return None
+    return max(1, 64 // -(-heads // 4))
+
+
+@functools.cache
+def _on_cuda() -> bool:
+    return detect_backend().name == "cuda"
 
 
 # id(module) -> (a weak reference to it, its RopeArgs, their key): once per module, not per call
