@@ -13,6 +13,7 @@
 # WHEELS=DIR: a machine that reaches no package index installs DIR's wheels instead (no dependencies
 # resolved: DIR holds mlx, mlx-cuda-13, mlx-lm and whatever else the machine lacks), into a folder of
 # their own on PYTHONPATH, and runs the code from this checkout.
+# Where the tests fail, `python -m benchmarks.cuda_probe` finds which op does, each probe in a fresh process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=benchmarks/results/cuda
