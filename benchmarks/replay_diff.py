@@ -25,7 +25,15 @@ from pathlib import Path
 
 from benchmarks.replay_sweep import REPO, git_commit, machine
 from benchmarks.trace_families import FAMILIES, draw
-from minivllm.replay import REPLAY_POLICIES, TraceRequest, load_trace, make_cache, prefix_hits, resolve_policy
+from minivllm.replay import (
+    DEFAULT,
+    REPLAY_POLICIES,
+    TraceRequest,
+    load_trace,
+    make_cache,
+    prefix_hits,
+    resolve_policy,
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
     policies = args.policies.split(",")
-    if len(policies) != 2 or not set(policies) <= {*REPLAY_POLICIES, "default"}:
+    if len(policies) != 2 or not set(policies) <= {*REPLAY_POLICIES, DEFAULT}:
         p.error(f"--policies: two of {', '.join(REPLAY_POLICIES)}")
     requests = load(args.trace)
     diffs = differences(requests, policies, args.capacity)

@@ -649,7 +649,7 @@ class Segmented(EvictionPolicy):
         parent = self._entries.get(entry.parent) if entry.parent is not None else None
         stray = stray or (parent is not None and parent.stray)
         if entry.stray == stray:
-            return  # a stray key's subtree is stray already
+            return  # nothing changes: a key that was a stray already had its subtree marked
         self._mark_stray(key, entry, stray)
         under = list(entry.children) if stray else []
         while under:
