@@ -2,8 +2,7 @@
 # The GPU check, on MLX's CUDA backend: installs mlx with its CUDA 13 build, runs the engine tests, then
 # benchmarks/throughput.py against mlx-lm (and benchmarks/speculative.py when a real model is named),
 # writing benchmarks/results/cuda/ (and its log, gpu_check.log). Sized for one H200-class GPU within
-# 10 minutes: install ~1 min, tests <= 5, the model ~1,
-# throughput <= 2.5 (the timeouts below).
+# 10 minutes: install ~1 min, tests <= 5, the model ~1, throughput <= 2.5 (the timeouts below).
 #
 #     bash benchmarks/gpu_check.sh [MODEL_DIR]
 #
