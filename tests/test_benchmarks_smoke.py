@@ -429,6 +429,17 @@ def test_throughput_reports_no_limit_where_the_model_keeps_no_float_matrices():
     assert limit_ms(nn.Linear(64, 64))[0] > 0
 
 
+def test_step_nodes_quick_counts_both_engines_at_each_batch(tiny_model_dir, tmp_path):
+    from benchmarks import step_nodes
+
+    step_nodes.main(["--model", str(tiny_model_dir), "--quick", "--out", str(tmp_path), "--allow-dirty"])
+    (path,) = tmp_path.glob("step_nodes-quick*.json")
+    raw = json.loads(path.read_text())["raw"]
+    assert set(raw) == {"minivllm", "mlx-lm"} and all(set(v) == {"1", "2"} for v in raw.values())
+    assert 50 < raw["minivllm"]["1"] < raw["minivllm"]["2"]  # attention per sequence: a request adds nodes
+    assert raw["mlx-lm"]["1"] > 50
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
