@@ -1,6 +1,6 @@
 """Graph nodes of one decode step by batch size, minivllm against mlx-lm, on the same model.
 
-    python -m benchmarks.step_nodes [--model DIR] [--batches 1,2,4,8] [--quick]
+    python -m benchmarks.step_nodes [--tiny-layers 24 | --model DIR] [--batches 1,2,4,8] [--quick]
 
 A GPU backend launches a step's nodes one kernel at a time, so where a step's arithmetic is small (a
 0.5B model on a large GPU) its node count sets much of its time. minivllm runs attention per sequence
@@ -9,20 +9,27 @@ decode (`BatchGenerator`) runs each layer once for the whole batch. Counted on t
 contexts a decode step's attention there is the same per-sequence ops as on a GPU backend; its rope and
 norms take CPU-only paths with other node counts, once per layer whatever the batch. Each row: the median
 over the decode steps of `--tokens` tokens, after the prompts' prefill.
+
+--tiny-layers N: a tiny random Qwen2 model of N layers (tests/tiny_model.py) instead of --model. A larger
+model's CPU step evaluates parts of its graph early (numpy element-wise work, kernels.activations), so
+its count is not a GPU's; a tiny model's whole step is one graph, as on a GPU.
 """
 
 import minivllm  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 
 # isort: split
 import statistics
+import tempfile
 
 from mlx_lm.generate import BatchGenerator
 
 from benchmarks.harness.graph_nodes import nodes_per_async_eval
+from benchmarks.harness.models import resolve_model
 from benchmarks.harness.results import engine_metadata, print_report, write_results
-from benchmarks.harness.runner import base_parser, parse_args, result_name
+from benchmarks.harness.runner import base_parser, parse_on_clean_tree, result_name
 from minivllm import LLM, SamplingParams
 from minivllm.models.loader import load_model
+from tests.tiny_model import make_tiny_model
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -58,7 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,2,4,8", help="batch sizes, comma-separated")
     p.add_argument("--tokens", type=int, default=16, help="decoded tokens per request")
-    args = parse_args(p, argv)
+    p.add_argument("--tiny-layers", type=int, help="count on a tiny random Qwen2 model of this many layers")
+    args = parse_on_clean_tree(p, argv)
+    if args.tiny_layers:  # no default model is fetched
+        args.model = make_tiny_model(tempfile.mkdtemp(prefix="step-nodes-"), num_layers=args.tiny_layers)
+    args.model = resolve_model(args.model)
     batches = [1, 2] if args.quick else [int(b) for b in args.batches.split(",")]
     tokens = 4 if args.quick else args.tokens
     llm = LLM(str(args.model), max_num_seqs=max(batches), kv_cache_bytes=256 << 20)
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for batch in batches
     ]
-    meta = engine_metadata(args.model, 1, tokens=tokens)
+    meta = engine_metadata(args.model, 1, tokens=tokens, tiny_layers=args.tiny_layers)
     paths = write_results(
         result_name("step_nodes", args), rows, meta, out_dir=args.out, raw=raw, allow_dirty=args.allow_dirty
     )
