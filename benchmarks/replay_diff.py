@@ -19,12 +19,13 @@ import argparse
 import datetime
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.replay_sweep import REPO, git_commit, machine
 from benchmarks.trace_families import FAMILIES, draw
+from minivllm.cache.eviction import CONFIGURATION_NAMES, EvictionPolicy
 from minivllm.replay import (
     DEFAULT,
     REPLAY_POLICIES,
@@ -45,6 +46,24 @@ class Difference:
     since: int | None  # requests since the last of them (None: the first)
 
 
+@dataclass(frozen=True)
+class Switch:
+    request: int  # the index of the request after which the cache runs another configuration
+    before: str
+    after: str
+
+
+def recording_switches(cache: EvictionPolicy, hits: Iterator[int], switches: list[Switch]) -> Iterator[int]:
+    """hits, passed on; where the cache follows one of its configurations (the default), each change of
+    configuration is appended to switches."""
+    mode = getattr(cache, "mode", None)
+    for i, hit in enumerate(hits):
+        if getattr(cache, "mode", None) != mode:
+            switches.append(Switch(i, CONFIGURATION_NAMES[mode], CONFIGURATION_NAMES[cache.mode]))
+            mode = cache.mode
+        yield hit
+
+
 def load(trace: str) -> list[TraceRequest]:
     family, _, seed = trace.partition("#")
     if family in FAMILIES and seed.isdigit():
@@ -52,9 +71,14 @@ def load(trace: str) -> list[TraceRequest]:
     return load_trace(trace)
 
 
-def differences(requests: Sequence[TraceRequest], policies: Sequence[str], capacity: int) -> list[Difference]:
-    """The requests whose prefix hits differ between the two policies, in trace order."""
-    a, b = (prefix_hits(requests, make_cache(requests, resolve_policy(p), capacity)) for p in policies)
+def differences(
+    requests: Sequence[TraceRequest], policies: Sequence[str], capacity: int, switches: dict | None = None
+) -> list[Difference]:
+    """The requests whose prefix hits differ between the two policies, in trace order. switches: a list
+    per policy, to which each change of the configuration its cache follows is appended."""
+    switches = {p: [] for p in policies} if switches is None else switches
+    caches = [make_cache(requests, resolve_policy(p), capacity) for p in policies]
+    a, b = (recording_switches(c, prefix_hits(requests, c), switches[p]) for c, p in zip(caches, policies))
     starts: dict = {}  # first block -> the requests that started with it so far
     out = []
     for i, (req, hit_a, hit_b) in enumerate(zip(requests, a, b)):
@@ -66,7 +90,9 @@ def differences(requests: Sequence[TraceRequest], policies: Sequence[str], capac
     return out
 
 
-def markdown(trace: str, capacity: int, policies: Sequence[str], n: int, diffs: list[Difference]) -> str:
+def markdown(
+    trace: str, capacity: int, policies: Sequence[str], n: int, diffs: list[Difference], switches: dict
+) -> str:
     a, b = policies
     net = sum(d.hits[0] - d.hits[1] for d in diffs)
     gross = sum(abs(d.hits[0] - d.hits[1]) for d in diffs)
@@ -80,6 +106,12 @@ def markdown(trace: str, capacity: int, policies: Sequence[str], n: int, diffs: 
         f"- {len(diffs)} of {n} requests differ: `{a}` hits more blocks on {len(won)}, `{b}` on "
         f"{len(diffs) - len(won)}",
         f"- net `{a}` - `{b}`: {net:+d} blocks, out of {gross} blocks of differences",
+        *(
+            f"- `{p}` switched configuration after request "
+            + ", ".join(f"{s.request} ({s.before} -> {s.after})" for s in switches[p])
+            for p in policies
+            if switches[p]
+        ),
         "",
         f"| request | blocks | `{a}` hit | `{b}` hit | earlier requests with its first block "
         "| requests since the last |",
@@ -105,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(policies) != 2 or not set(policies) <= {*REPLAY_POLICIES, DEFAULT}:
         p.error(f"--policies: two of {', '.join(REPLAY_POLICIES)}")
     requests = load(args.trace)
-    diffs = differences(requests, policies, args.capacity)
-    md = markdown(args.trace, args.capacity, policies, len(requests), diffs)
+    switches = {p: [] for p in policies}
+    diffs = differences(requests, policies, args.capacity, switches)
+    md = markdown(args.trace, args.capacity, policies, len(requests), diffs, switches)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "", Path(args.trace).stem if "#" not in args.trace else args.trace)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"replay_diff-{name}-{args.capacity}.md").write_text(md)

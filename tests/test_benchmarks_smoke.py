@@ -378,6 +378,33 @@ def test_replay_diff_lists_the_requests_that_decide_two_policies(tmp_path):
     assert md.rstrip().splitlines()[-1] == "| 4 | 1 | 1 | 0 | 2 | 2 |"
 
 
+def test_replay_diff_records_each_switch_of_the_configuration_the_default_follows():
+    from types import SimpleNamespace
+
+    from benchmarks.replay_diff import Switch, recording_switches
+    from minivllm.cache.eviction import CONFIGURATION_NAMES, CONFIGURATIONS
+
+    assert len(CONFIGURATION_NAMES) == len(CONFIGURATIONS)
+    cache = SimpleNamespace(mode=0)
+    modes = iter([0, 3, 3, 4, 0])  # the configuration once each request is done
+
+    def hits():
+        for hit in range(5):
+            cache.mode = next(modes)
+            yield hit
+
+    switches: list = []
+    assert list(recording_switches(cache, hits(), switches)) == [0, 1, 2, 3, 4]
+    names = CONFIGURATION_NAMES
+    assert switches == [
+        Switch(1, names[0], names[3]),
+        Switch(3, names[3], names[4]),
+        Switch(4, names[4], names[0]),
+    ]
+    lru: list = []
+    assert list(recording_switches(SimpleNamespace(), iter([5, 6]), lru)) == [5, 6] and lru == []
+
+
 def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
     from benchmarks import families
 

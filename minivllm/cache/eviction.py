@@ -754,6 +754,13 @@ CONFIGURATIONS = (
     (None, False, False, 0.25),
     (0.1, False, False, 1.0),
 )
+CONFIGURATION_NAMES = (
+    "ARC, long memory",
+    "frequency, new first",
+    "prefix-aware LRU",
+    "ARC, short memory",
+    "S3FIFO",
+)
 
 
 class Adaptive(EvictionPolicy):
