@@ -22,15 +22,14 @@ import time
 
 EIGHT = "tests/test_engine.py::test_eight_prompts_in_one_continuous_batch_match_mlx_lm"
 SEQUENCE = ["tests/test_engine.py", "-k", "single_prompt_matches or eight_prompts"]
+# the engine tests benchmarks/gpu_check.sh runs (its list, in shell), with the run stopped sooner
 GPU_TESTS = [
-    *(
-        f"tests/test_{name}.py"
-        for name in ("engine", "speculative", "overlap", "sampling", "paged_attention")
-    ),
-    *(f"tests/test_{name}.py" for name in ("families", "hybrid", "long_context", "prefix_cache")),
-    *(f"tests/test_{name}.py" for name in ("single_flight", "preemption", "kv_disk")),
-    *("-k", "not harmony and not through_the_server", "--maxfail=5"),
-]
+    f"tests/test_{name}.py"
+    for name in (
+        "engine", "speculative", "overlap", "sampling", "paged_attention", "families", "hybrid",
+        "long_context", "prefix_cache", "single_flight", "preemption", "kv_disk",
+    )
+] + ["-k", "not harmony and not through_the_server", "--maxfail=5"]  # fmt: skip
 # evaluates each op's result as soon as it is built and names the first that fails
 EAGER = r"""
 import functools, sys

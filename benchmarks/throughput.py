@@ -208,7 +208,7 @@ def report_rows(rates: dict, limits: dict, memory: dict, prompt_len: int) -> lis
     # per run: the faster layout's pass; shares are of the mean limit rate
     best = [min(a, b) for a, b in zip(limits["native"], limits["transposed"])]
     limit_rate = mean_sd([1000 / ms for ms in best])
-    blank = {name: "" for name in rates} | {"minivllm / mlx-lm": "", "minivllm / native": ""}
+    blank = blank_row(rates)
     for layout in ("native", "transposed"):
         ms = mean_sd(limits[layout])
         rows.append(
@@ -226,10 +226,13 @@ def report_rows(rates: dict, limits: dict, memory: dict, prompt_len: int) -> lis
     return rows + [memory_row(memory, rates)]
 
 
+def blank_row(rates: dict) -> dict:
+    """A row with every engine's and ratio's cell empty: the limit's and memory's rows fill one."""
+    return {name: "" for name in rates} | {"minivllm / mlx-lm": "", "minivllm / native": ""}
+
+
 def memory_row(memory: dict, rates: dict) -> dict:
-    return {name: "" for name in rates} | {
-        "minivllm / mlx-lm": "",
-        "minivllm / native": "",
+    return blank_row(rates) | {
         "metric": "minivllm memory GiB: parameters / in use after load / peak while loading",
         "minivllm": f"{memory['parameters']:.2f} / {memory['active']:.2f} / {memory['peak']:.2f}",
     }
