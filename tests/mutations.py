@@ -172,6 +172,22 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py", "tests/test_policy_robustness.py"),
     ),
     Mutation(
+        "going-back-takes-z",
+        "the default goes back to a configuration it left lately on Z deviations, as to a new one",
+        "minivllm/cache/eviction.py",
+        "self.Z_BACK if self._left_lately(leader) else self.Z\n",
+        "self.Z\n",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "switch-forgets-left",
+        "the default never records the configuration it leaves, so nothing takes Z_BACK",
+        "minivllm/cache/eviction.py",
+        "            self._left[self.mode] = self._accesses\n",
+        "",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
         "adaptive-evicts-inner-pages",
         "the adaptive policy lists pages with cached children as victims",
         "minivllm/cache/eviction.py",

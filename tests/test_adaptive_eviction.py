@@ -423,3 +423,29 @@ def test_random_concurrent_requests_keep_every_key_reachable(make):
                     parent = key
                 running.append(used)
             check(p, pinned)
+
+
+def test_going_back_to_a_configuration_left_lately_takes_z_back_deviations():
+    """A lead of 2.5 deviations switches the cache to a configuration it has not left lately, not back to
+    one it left within BACK_WINDOW capacities of accesses; 3.5 deviations take it back."""
+
+    def after(deviations, left_ago):
+        policy = Adaptive(100)
+        policy.scores[1] = 50.0  # configuration 1 leads the one in use (0) by 50 blocks
+        policy._noise[0, 1] = (50.0 / deviations) ** 2
+        policy.bound = 1000.0  # far from the bound: Z_AT_BOUND plays no part
+        if left_ago is not None:
+            policy._accesses = 10**6
+            policy._left[1] = policy._accesses - left_ago
+        request(policy, ["new"])  # no shadow hits it: the lead and its noise decay alike
+        return policy
+
+    window = Adaptive.BACK_WINDOW * 100
+    assert Adaptive.Z < 2.5 < Adaptive.Z_BACK < 3.5
+    switched = after(2.5, None)
+    assert switched.mode == 1
+    assert switched._left == {0: switched._accesses}  # going back to 0 now takes Z_BACK
+    assert after(2.5, 0).mode == 0
+    assert after(2.5, window - 2).mode == 0
+    assert after(2.5, window).mode == 1
+    assert after(3.5, 0).mode == 1
