@@ -922,7 +922,9 @@ class Adaptive(EvictionPolicy):
             self._noise[pair] *= self._decay * self._decay
         leader = max(range(len(self.scores)), key=self.scores.__getitem__)
         lead = self.scores[leader] - self.scores[self.mode]
-        if leader != self.mode and self._lead_passes(leader, lead):
+        at_bound = self.scores[leader] >= (1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead
+        z = self.Z_AT_BOUND if at_bound else self.Z_BACK if self._left_lately(leader) else self.Z
+        if leader != self.mode and lead > z * self._lead_noise(leader, self.mode):
             self._left[self.mode] = self._accesses
             self.mode = leader
             self.cache.set_mode(*CONFIGURATIONS[leader])
@@ -933,13 +935,6 @@ class Adaptive(EvictionPolicy):
         evicted = self.cache.access(key, parent, partial)
         self.cache.set_stray(key, key not in followed)
         return evicted
-
-    def _lead_passes(self, leader: int, lead: float) -> bool:
-        """Whether the lead of a leader other than the configuration in use passes its bar, in deviations
-        of its noise. Asked only then, so most accesses never compute it."""
-        at_bound = self.scores[leader] >= (1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead
-        z = self.Z_AT_BOUND if at_bound else self.Z_BACK if self._left_lately(leader) else self.Z
-        return lead > z * self._lead_noise(leader, self.mode)
 
     def _left_lately(self, i: int) -> bool:
         """Whether the cache left configuration i within the last BACK_WINDOW capacities of accesses."""
