@@ -188,6 +188,22 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
+        "default-keeps-nothing-for-the-runner-up",
+        "the default's cache gives up every key its leader gives up, whatever a runner-up at the bound holds",
+        "minivllm/cache/eviction.py",
+        "        return runner if self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound else None\n",
+        "        return None\n",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "default-keeps-what-the-runner-up-gave-up",
+        "the default's cache keeps a key for the runner-up after the runner-up gave it up too",
+        "minivllm/cache/eviction.py",
+        "            if k in self._kept:\n                del self._kept[k]\n",
+        "            if False:\n                del self._kept[k]\n",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
         "adaptive-evicts-inner-pages",
         "the adaptive policy lists pages with cached children as victims",
         "minivllm/cache/eviction.py",

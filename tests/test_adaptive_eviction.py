@@ -449,3 +449,47 @@ def test_going_back_to_a_configuration_left_lately_takes_z_back_deviations():
     assert after(2.5, window - 2).mode == 0
     assert after(2.5, window).mode == 1
     assert after(3.5, 0).mode == 1
+
+
+class Scripted:
+    """A shadow that admits every key and gives up, at a key's access, the keys its script names."""
+
+    def __init__(self):
+        self.keys: set = set()
+        self.gives_up: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
+    def access(self, key, parent=None, partial=False) -> list:
+        self.keys.add(key)
+        gone = self.gives_up.pop(key, [])
+        self.keys -= set(gone)
+        return gone
+
+    def release(self, key) -> None:
+        pass
+
+
+@pytest.mark.parametrize("runner_at_bound", [True, False])
+def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_up(runner_at_bound):
+    """The leader (0) gives up d, the runner-up (1) c. With the runner-up at the bound the cache keeps d and
+    gives up c; once the runner-up gives up d too, d is the cache's next victim (its own rules would give up
+    b, the least recently used). Below the bound the cache gives up what the leader gives up."""
+    policy = Adaptive(4)
+    policy.shadows = [Scripted() for _ in CONFIGURATIONS]
+    if not runner_at_bound:  # every other shadow misses the key that comes back
+        for shadow in policy.shadows[1:]:
+            shadow.gives_up["d"] = ["a"]
+    for key in "abcda":
+        request(policy, [key])
+    policy.shadows[0].gives_up["e"] = ["d"]
+    policy.shadows[1].gives_up["e"] = ["c"]
+    evicted = request(policy, ["e"])
+    assert policy.mode == 0
+    if not runner_at_bound:
+        assert evicted == ["d"]
+        return
+    assert evicted == ["c"]
+    policy.shadows[1].gives_up["f"] = ["d"]
+    assert request(policy, ["f"]) == ["d"]
