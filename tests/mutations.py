@@ -191,8 +191,25 @@ MUTATIONS = [
         "default-keeps-nothing-for-the-runner-up",
         "the default's cache gives up every key its leader gives up, whatever a runner-up at the bound holds",
         "minivllm/cache/eviction.py",
-        "        return runner if self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound else None\n",
+        "        return runner if at_bound and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None\n",
         "        return None\n",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "default-keeps-for-a-runner-up-below-the-bound",
+        "the default's cache keeps keys for the runner-up wherever it stands",
+        "minivllm/cache/eviction.py",
+        "        at_bound = self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound\n",
+        "        at_bound = True\n",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
+        "default-keeps-on-one-request",
+        "the default's cache keeps keys for a runner-up at the bound after one request the two served a block "
+        "apart (right after the pool fills, every configuration is at the bound)",
+        "minivllm/cache/eviction.py",
+        " and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None\n",
+        " else None\n",
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(

@@ -471,25 +471,34 @@ class Scripted:
         pass
 
 
-@pytest.mark.parametrize("runner_at_bound", [True, False])
-def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_up(runner_at_bound):
-    """The leader (0) gives up d, the runner-up (1) c. With the runner-up at the bound the cache keeps d and
-    gives up c; once the runner-up gives up d too, d is the cache's next victim (its own rules would give up
-    b, the least recently used). Below the bound the cache gives up what the leader gives up."""
-    policy = Adaptive(4)
+@pytest.mark.parametrize("case", ["kept", "one request", "below the bound"])
+def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_up(case):
+    """The leader (0) gives up k500, the runner-up (1) k600. With the runner-up at the bound, after a request
+    the two served three blocks apart, the cache keeps k500 and gives up k600; once the runner-up gives up
+    k500 too, k500 is the cache's next victim (its own rules would give up its least recently used key).
+    After one request a block apart, or with the runner-up below the bound, the cache gives up what the
+    leader gives up."""
+    policy = Adaptive(1000)
     policy.shadows = [Scripted() for _ in CONFIGURATIONS]
-    if not runner_at_bound:  # every other shadow misses the key that comes back
-        for shadow in policy.shadows[1:]:
-            shadow.gives_up["d"] = ["a"]
-    for key in "abcda":
-        request(policy, [key])
-    policy.shadows[0].gives_up["e"] = ["d"]
-    policy.shadows[1].gives_up["e"] = ["c"]
-    evicted = request(policy, ["e"])
+    for i in range(1000):  # the pool fills
+        request(policy, [f"k{i}"])
+    for _ in range(2000):  # every shadow hits as much as a cache that forgot nothing: the bound
+        request(policy, ["k0"])
+    prompt = {"kept": ["x", "y", "z"], "one request": ["x"], "below the bound": [f"p{i}" for i in range(20)]}[
+        case
+    ]
+    request(policy, prompt)
+    for shadow in policy.shadows[1:]:  # every other shadow gives the prompt up, the leader keeps it
+        shadow.gives_up["gone"] = list(prompt)
+    request(policy, ["gone"])
+    request(policy, prompt)
     assert policy.mode == 0
-    if not runner_at_bound:
-        assert evicted == ["d"]
+    policy.shadows[0].gives_up["e"] = ["k500"]
+    policy.shadows[1].gives_up["e"] = ["k600"]
+    evicted = request(policy, ["e"])
+    if case != "kept":
+        assert evicted == ["k500"]
         return
-    assert evicted == ["c"]
-    policy.shadows[1].gives_up["f"] = ["d"]
-    assert request(policy, ["f"]) == ["d"]
+    assert evicted == ["k600"]
+    policy.shadows[1].gives_up["f"] = ["k500"]
+    assert request(policy, ["f"]) == ["k500"]

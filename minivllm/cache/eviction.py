@@ -789,8 +789,9 @@ class Adaptive(EvictionPolicy):
     The cache follows the leader's keys, not only its rules: a key the followed shadow gave up (or never
     admitted) is a stray in the cache, its first victim, as is every key under it, and at a switch every
     cached key the new leader lacks becomes one. Once the two hold the same keys, the shadow's next victim
-    is the cache's only stray: the cache is the leader. Reordered by the leader's rules alone, a switched
-    cache can settle elsewhere for good: on popular prompts beside prompts that return once
+    is the cache's only stray: the cache is the leader (but for the keys it keeps for a runner-up at the
+    bound, below). Reordered by the leader's rules alone, a switched cache can settle elsewhere for good:
+    on popular prompts beside prompts that return once
     (benchmarks/trace_families.py's revisits, 6,000 requests, 150 blocks) it hit 0.328 of the tokens to the
     end of the trace, against 0.385 for the configuration it followed run alone (0.381 following its keys).
 
@@ -809,13 +810,14 @@ class Adaptive(EvictionPolicy):
     of keys, needs ``Z_AT_BOUND`` deviations only, on a lead of ``LEAD_SHARE`` of the pool: no
     configuration can do better than it.
 
-    A runner-up at the bound: while the configuration with the most hits after the one followed is at the
-    bound too, the cache keeps each key the leader gives up that the runner-up holds, in place of a key the
-    runner-up gave up at the same access and the leader holds, and keeps it until the runner-up gives it up
-    too, another configuration becomes the runner-up, or it leaves the bound. Where LRU holds the working
-    set of popular prompts beside one-off prompts that return, the leader's lead over it is a few blocks,
-    and prompts the leader gave up returned before the cache switched (revisits#184 at 10k blocks, 3,000
-    requests: the switch to the LRU configuration at request 2,126 came 363 blocks late, 0.978 of the
+    A runner-up at the bound: while the configuration with the most hits other than the one in use is at
+    the bound too, and the two have differed by ``KEEP_NOISE``, the cache keeps each key the leader gives
+    up that the runner-up holds, in place of a key the runner-up gave up at the same access and the leader
+    holds. It keeps it until the runner-up gives it up too, another configuration becomes the runner-up,
+    or the runner-up leaves the bound. Where LRU holds the working set of popular prompts beside one-off
+    prompts that return, its lead over ARC stays within the noise until the prompts ARC gave up come back,
+    and a cache that followed ARC key for key has given them up too (revisits#184 at 10k blocks, 3,000
+    requests: 363 blocks before the switch to the LRU configuration at request 2,126, 0.978 of the
     infinite cache; 0.987 keeping them). At most one key is kept per key given up, so the cache stays
     between the two shadows.
     """
@@ -875,6 +877,14 @@ class Adaptive(EvictionPolicy):
     # long scans fell out of it, every configuration looked at the bound and the cache followed noise
     # (scan#58 at 1k blocks: 0.906x max(LRU, S3FIFO); 0.979x from 16 up).
     HORIZON = 16
+    # The least noise, in blocks, between the runner-up and the configuration in use at which the cache keeps
+    # keys for a runner-up at the bound: right after the pool fills every configuration is at the bound,
+    # and one request the two served differently (a noise of a block) says nothing of the keys each holds.
+    # Keeping keys on such evidence cost the Mooncake synthetic trace's windows at 3k blocks up to 7% of
+    # their hits (the first quarter 1.303x -> 1.231x max(LRU, S3FIFO)); at 2 blocks none of them changes,
+    # and every draw where keeping pays keeps its gain (at the bound's lead, 20 blocks at 10k, it lost half
+    # of it on revisits#156).
+    KEEP_NOISE = 2.0
 
     prefix_aware = True
 
@@ -958,9 +968,11 @@ class Adaptive(EvictionPolicy):
         return evicted
 
     def _runner_up_at_bound(self) -> int | None:
-        """The configuration with the most hits after the one in use, if it is at the bound."""
+        """The configuration with the most hits other than the one in use, if it is at the bound and the two
+        have differed by KEEP_NOISE."""
         runner = max((i for i in range(len(self.scores)) if i != self.mode), key=self.scores.__getitem__)
-        return runner if self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound else None
+        at_bound = self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound
+        return runner if at_bound and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None
 
     def _keep_for_runner_up(self, left: list, runner_left: list, runner: EvictionPolicy, followed) -> None:
         """The followed shadow gave up ``left`` and the runner-up, at the bound, ``runner_left``: the cache
