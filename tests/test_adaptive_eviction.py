@@ -484,9 +484,9 @@ def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_u
         request(policy, [f"k{i}"])
     for _ in range(2000):  # every shadow hits as much as a cache that forgot nothing: the bound
         request(policy, ["k0"])
-    prompt = {"kept": ["x", "y", "z"], "one request": ["x"], "below the bound": [f"p{i}" for i in range(20)]}[
-        case
-    ]
+    # the prompt the leader serves and every other shadow misses: 3 blocks, 1, or 20 (past the bound's 0.5%)
+    prompts = {"kept": ["x", "y", "z"], "one request": ["x"], "below the bound": [f"p{i}" for i in range(20)]}
+    prompt = prompts[case]
     request(policy, prompt)
     for shadow in policy.shadows[1:]:  # every other shadow gives the prompt up, the leader keeps it
         shadow.gives_up["gone"] = list(prompt)
