@@ -956,11 +956,7 @@ class Adaptive(EvictionPolicy):
         if runner != self._runner:  # the keys kept for another runner-up follow the leader again
             self._stop_keeping(followed)
             self._runner = runner
-        if runner is None:
-            for k in left:
-                self.cache.set_stray(k, k not in followed)
-        else:
-            self._keep_for_runner_up(left, gave_up[runner], self.shadows[runner], followed)
+        self._give_up(left, followed, runner, [] if runner is None else gave_up[runner])
         evicted = self.cache.access(key, parent, partial)
         self.cache.set_stray(key, key not in followed)
         if key in followed:
@@ -974,20 +970,17 @@ class Adaptive(EvictionPolicy):
         at_bound = self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound
         return runner if at_bound and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None
 
-    def _keep_for_runner_up(self, left: list, runner_left: list, runner: EvictionPolicy, followed) -> None:
-        """The followed shadow gave up ``left`` and the runner-up, at the bound, ``runner_left``: the cache
-        keeps each key of ``left`` the runner-up holds in place of a key of ``runner_left`` the followed
-        shadow holds, which becomes a stray instead."""
+    def _give_up(self, left: list, followed: EvictionPolicy, runner: int | None, runner_left: list) -> None:
+        """The followed shadow gave up ``left``: those keys become strays, except that, for a runner-up at the
+        bound (which gave up ``runner_left``), the cache keeps each one the runner-up holds in place of a key
+        of ``runner_left`` the followed shadow holds, which becomes a stray instead."""
         instead = [k for k in runner_left if k in self.cache and k in followed and k not in self._kept]
         for k in left:
-            if k in followed:
-                self.cache.set_stray(k, False)
-            elif instead and k in self.cache and k in runner:
+            keep = bool(instead) and k not in followed and k in self.cache and k in self.shadows[runner]
+            self.cache.set_stray(k, k not in followed and not keep)
+            if keep:
                 self._kept[k] = None
-                self.cache.set_stray(k, False)
                 self.cache.set_stray(instead.pop(), True)
-            else:
-                self.cache.set_stray(k, True)
         for k in runner_left:  # the runner-up gave these up too: nothing keeps them now
             if k in self._kept:
                 del self._kept[k]
