@@ -5,7 +5,9 @@ the requests whose prefix hits differ: for each, its blocks, each policy's hit, 
 of its prompt before (how many earlier requests started with the same block, and how many requests ago
 the last one did). The summary compares the net gap between the policies with the sum of the
 differences: a gap made of a few long prompts that one policy happened to hold and the other did not is
-a coin flip, not a rule.
+a coin flip, not a rule. It also gives the net in standard deviations of its noise, the root of the summed
+squares of the differences: how far the net would spread were each request a coin flip between the two
+policies' hits. A net within about two of them is one the trace cannot tell from chance.
 
 TRACE is a JSON-lines trace or a drawn one, FAMILY#SEED (benchmarks/trace_families.py, e.g. mooncake#2).
 Writes benchmarks/results/replay_diff-<trace>-<capacity>.md.
@@ -97,6 +99,7 @@ def markdown(
     net = sum(d.hits[0] - d.hits[1] for d in diffs)
     gross = sum(abs(d.hits[0] - d.hits[1]) for d in diffs)
     won = [d for d in diffs if d.hits[0] > d.hits[1]]
+    noise = sum((d.hits[0] - d.hits[1]) ** 2 for d in diffs) ** 0.5
     lines = [
         f"# Requests that decide `{a}` against `{b}`: {trace} at {capacity} blocks",
         "",
@@ -106,6 +109,8 @@ def markdown(
         f"- {len(diffs)} of {n} requests differ: `{a}` hits more blocks on {len(won)}, `{b}` on "
         f"{len(diffs) - len(won)}",
         f"- net `{a}` - `{b}`: {net:+d} blocks, out of {gross} blocks of differences",
+        f"- the net is {net / noise if noise else 0.0:+.2f} standard deviations of its noise ({noise:.0f} blocks, "
+        "the root of the summed squares of the differences)",
         *(
             f"- `{p}` switched configuration after request "
             + ", ".join(f"{s.request} ({s.before} -> {s.after})" for s in switches[p])

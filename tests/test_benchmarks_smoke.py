@@ -378,6 +378,16 @@ def test_replay_diff_lists_the_requests_that_decide_two_policies(tmp_path):
     assert md.rstrip().splitlines()[-1] == "| 4 | 1 | 1 | 0 | 2 | 2 |"
 
 
+def test_replay_diff_gives_the_net_in_standard_deviations_of_the_differences():
+    from benchmarks.replay_diff import Difference, markdown
+
+    # +1 and -3 blocks: net -2 over a noise of sqrt(1 + 9) = 3.16 blocks, -0.63 deviations
+    diffs = [Difference(3, 4, (2, 1), 1, 2), Difference(7, 4, (0, 3), 1, 4)]
+    md = markdown("t.jsonl", 4, ["adaptive", "lru"], 10, diffs, {"adaptive": [], "lru": []})
+    assert "net `adaptive` - `lru`: -2 blocks, out of 4 blocks of differences" in md
+    assert "the net is -0.63 standard deviations of its noise (3 blocks," in md
+
+
 def test_replay_diff_records_each_switch_of_the_configuration_the_default_follows():
     from types import SimpleNamespace
 
