@@ -451,6 +451,24 @@ def test_going_back_to_a_configuration_left_lately_takes_z_back_deviations():
     assert after(3.5, 0).mode == 1
 
 
+@pytest.mark.parametrize(
+    ("deviations", "lead", "at_bound", "switches"),
+    [(2.5, 5.0, False, True), (1.5, 50.0, False, False), (1.5, 50.0, True, True)],
+)
+def test_a_lead_switches_the_cache_on_its_deviations_alone(deviations, lead, at_bound, switches):
+    """Z deviations of its noise switch the cache, on a lead of 5 blocks too, under 1.5% of the window of
+    400 accesses (on forests that fill the cache late, the LRU configuration's lead passes its noise long
+    before it passes such a share); a leader at the bound, which no configuration can beat, needs only
+    Z_AT_BOUND of them."""
+    assert Adaptive.Z_AT_BOUND < 1.5 < Adaptive.Z < 2.5 and Adaptive.WINDOW == 4.0
+    policy = Adaptive(100)
+    policy.scores[1] = lead  # configuration 1 leads the one in use (0)
+    policy._noise[0, 1] = (lead / deviations) ** 2
+    policy.bound = lead if at_bound else 1000.0
+    request(policy, ["new"])  # no shadow hits it: the lead, its noise and the bound decay alike
+    assert policy.mode == (1 if switches else 0)
+
+
 class Scripted:
     """A shadow that admits every key and gives up, at a key's access, the keys its script names."""
 

@@ -941,11 +941,8 @@ class Adaptive(EvictionPolicy):
         left = gave_up[self.mode]  # the keys the followed shadow gave up
         for pair in self._noise:  # a variance: decayed by the square of the scores' decay
             self._noise[pair] *= self._decay * self._decay
-        leader = max(range(len(self.scores)), key=self.scores.__getitem__)
-        lead = self.scores[leader] - self.scores[self.mode]
-        at_bound = self.scores[leader] >= (1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead
-        z = self.Z_AT_BOUND if at_bound else self.Z_BACK if self._left_lately(leader) else self.Z
-        if leader != self.mode and lead > z * self._lead_noise(leader, self.mode):
+        leader = self._leader_past_the_noise()
+        if leader is not None:
             self._left[self.mode] = self._accesses
             self.mode = leader
             self.cache.set_mode(*CONFIGURATIONS[leader])
@@ -962,6 +959,17 @@ class Adaptive(EvictionPolicy):
         if key in followed:
             self._kept.pop(key, None)
         return evicted
+
+    def _leader_past_the_noise(self) -> int | None:
+        """The configuration with the most hits, if it is not the one in use and its lead passes the test:
+        Z deviations of its noise, Z_BACK to go back to a configuration left lately, Z_AT_BOUND at the bound."""
+        leader = max(range(len(self.scores)), key=self.scores.__getitem__)
+        if leader == self.mode:
+            return None
+        lead = self.scores[leader] - self.scores[self.mode]
+        at_bound = self.scores[leader] >= (1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead
+        z = self.Z_AT_BOUND if at_bound else self.Z_BACK if self._left_lately(leader) else self.Z
+        return leader if lead > z * self._lead_noise(leader, self.mode) else None
 
     def _runner_up_at_bound(self) -> int | None:
         """The configuration with the most hits other than the one in use, if it is at the bound and the two
