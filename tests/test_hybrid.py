@@ -106,20 +106,22 @@ def test_the_next_turn_resumes_after_the_last_turns_answer(hybrid):
 
 def test_identical_prompts_and_a_fan_out_compute_their_prefix_once(hybrid):
     path, reference = hybrid
-    shared, *suffixes = random_prompts([300, 12, 15, 9, 20], seed=34, vocab=362)
+    # 270 shared tokens: their pages end at 256, between two periodic snapshots (every 48 tokens)
+    shared, *suffixes = random_prompts([270, 12, 15, 9, 20], seed=34, vocab=362)
     prompt = shared + suffixes[0]
     llm = LLM(path, kv_cache_bytes=16 << 20)
     outs = checked(llm, [prompt] * 4, greedy())
     assert [o.num_cached_tokens for o in outs] == [0] + [(len(prompt) - 1) // PAGE * PAGE] * 3
     assert all(o.token_ids == reference.greedy(prompt, 8) for o in outs)
-    # a fan-out sharing 300 tokens: the waiters resume where the shared pages end (288)
+    # a fan-out: the waiters resume where the shared pages end, the leader kept the state there for them
     llm = LLM(path, kv_cache_bytes=16 << 20)
+    assert llm.engine.kv.snapshot_every == 48
     prompts = [shared + s for s in suffixes]
     outs = checked(llm, prompts, greedy())
-    assert sorted(o.num_cached_tokens for o in outs) == [0, 288, 288, 288]
+    assert sorted(o.num_cached_tokens for o in outs) == [0, 256, 256, 256]
     for p, out in zip(prompts, outs):
         assert out.token_ids == reference.greedy(p, 8)
-    assert llm.engine.stats().computed_prompt_tokens == len(prompt) + sum(len(p) - 288 for p in prompts[1:])
+    assert llm.engine.stats().computed_prompt_tokens == len(prompt) + sum(len(p) - 256 for p in prompts[1:])
 
 
 def test_preempted_requests_resume_their_state_right(hybrid):
@@ -148,6 +150,18 @@ def test_snapshots_within_their_budget_and_never_past_their_page(hybrid):
     snapshots, stats = llm.engine.kv.snapshots, llm.engine.stats()
     assert stats.pages_evicted > 0 and snapshots.counters.snapshots_dropped > 0 and 0 < len(snapshots) <= 3
     assert stats.state_snapshots_restored > 0
+
+
+def test_a_snapshot_goes_with_its_page(hybrid):
+    """Snapshots with room to spare and a pool that must evict: the pages given up take their snapshots
+    with them (checked's invariants: no snapshot outlives its page), none goes for the budget."""
+    path, reference = hybrid
+    prompts = random_prompts([120, 130, 140, 150], seed=37, vocab=362)
+    llm = LLM(path, kv_cache_bytes=1200 << 10, state_cache_fraction=0.75)
+    for prompt in prompts:
+        assert checked(llm, prompt, greedy())[0].token_ids == reference.greedy(prompt, 8)
+    snapshots, stats = llm.engine.kv.snapshots, llm.engine.stats()
+    assert stats.pages_evicted > 0 and snapshots.counters.snapshots_dropped == 0 and len(snapshots) > 0
 
 
 def test_speculative_decoding_is_off_for_a_hybrid_model(hybrid):
