@@ -191,16 +191,16 @@ MUTATIONS = [
         "default-keeps-nothing-for-the-runner-up",
         "the default's cache gives up every key its leader gives up, whatever a runner-up at the bound holds",
         "minivllm/cache/eviction.py",
-        "        return runner if at_bound and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None\n",
-        "        return None\n",
+        "        if self._at_bound(runner) and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE:\n",
+        "        if False:\n",
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
         "default-keeps-for-a-runner-up-below-the-bound",
         "the default's cache keeps keys for the runner-up wherever it stands",
         "minivllm/cache/eviction.py",
-        "        at_bound = self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound\n",
-        "        at_bound = True\n",
+        "        if self._at_bound(runner) and",
+        "        if True and",
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
@@ -208,8 +208,8 @@ MUTATIONS = [
         "the default's cache keeps keys for a runner-up at the bound after one request the two served a block "
         "apart (right after the pool fills, every configuration is at the bound)",
         "minivllm/cache/eviction.py",
-        " and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None\n",
-        " else None\n",
+        "        if self._at_bound(runner) and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE:\n",
+        "        if self._at_bound(runner):\n",
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
@@ -359,8 +359,8 @@ MUTATIONS = [
         "the default follows a leader at the bound on a lead of one block (right after the pool fills every "
         "shadow is at the bound: the first prompt LRU alone holds switches the cache)",
         "minivllm/cache/eviction.py",
-        "(1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead",
-        "(1 - self.BOUND_SHARE) * self.bound and lead >= 1.0",
+        "self._at_bound(leader) and lead >= self._bound_lead",
+        "self._at_bound(leader) and lead >= 1.0",
         ("tests/test_policy_robustness.py", "-k", "pool_fills"),
     ),
     Mutation(

@@ -967,7 +967,7 @@ class Adaptive(EvictionPolicy):
         if leader == self.mode:
             return None
         lead = self.scores[leader] - self.scores[self.mode]
-        at_bound = self.scores[leader] >= (1 - self.BOUND_SHARE) * self.bound and lead >= self._bound_lead
+        at_bound = self._at_bound(leader) and lead >= self._bound_lead
         z = self.Z_AT_BOUND if at_bound else self.Z_BACK if self._left_lately(leader) else self.Z
         return leader if lead > z * self._lead_noise(leader, self.mode) else None
 
@@ -975,8 +975,13 @@ class Adaptive(EvictionPolicy):
         """The configuration with the most hits other than the one in use, if it is at the bound and the two
         have differed by KEEP_NOISE."""
         runner = max((i for i in range(len(self.scores)) if i != self.mode), key=self.scores.__getitem__)
-        at_bound = self.scores[runner] >= (1 - self.BOUND_SHARE) * self.bound
-        return runner if at_bound and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE else None
+        if self._at_bound(runner) and self._lead_noise(self.mode, runner) >= self.KEEP_NOISE:
+            return runner
+        return None
+
+    def _at_bound(self, i: int) -> bool:
+        """Whether configuration i hits within BOUND_SHARE of a cache that forgot nothing."""
+        return self.scores[i] >= (1 - self.BOUND_SHARE) * self.bound
 
     def _give_up(self, left: list, followed: EvictionPolicy, runner: int | None, runner_left: list) -> None:
         """The followed shadow gave up ``left``: those keys become strays, except that, for a runner-up at the
