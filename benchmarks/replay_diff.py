@@ -66,6 +66,11 @@ def recording_switches(cache: EvictionPolicy, hits: Iterator[int], switches: lis
         yield hit
 
 
+def result_name(trace: str) -> str:
+    """The trace's name in a result file's name: a drawn trace's FAMILY#SEED, else the file's stem."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "", Path(trace).stem if "#" not in trace else trace)
+
+
 def load(trace: str) -> list[TraceRequest]:
     family, _, seed = trace.partition("#")
     if family in FAMILIES and seed.isdigit():
@@ -145,9 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     switches = {p: [] for p in policies}
     diffs = differences(requests, policies, args.capacity, switches)
     md = markdown(args.trace, args.capacity, policies, len(requests), diffs, switches)
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "", Path(args.trace).stem if "#" not in args.trace else args.trace)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"replay_diff-{name}-{args.capacity}.md").write_text(md)
+    (args.out_dir / f"replay_diff-{result_name(args.trace)}-{args.capacity}.md").write_text(md)
     print(md)
     return 0
 

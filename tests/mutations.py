@@ -287,6 +287,15 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py", "-k", "leaders_keys"),
     ),
     Mutation(
+        "default-no-s3fifo-shares-configuration",
+        "ARC's segments with S3FIFO's shares are only the rules the cache runs while it follows S3FIFO, not a "
+        "configuration with keys of its own",
+        "minivllm/cache/eviction.py",
+        "    (0.1, False, False, 1.0),\n    (0.1, False, False, 1.0),  # S3FIFO's own keys",
+        "    (0.1, False, False, 1.0),  # S3FIFO's own keys",
+        ("tests/test_policy_robustness.py", "-k", "hot_prompts"),
+    ),
+    Mutation(
         "default-no-s3fifo-shadow",
         "the default's last shadow runs S3FIFO's shares on ARC's segments instead of S3FIFO itself (run pinned)",
         "minivllm/cache/eviction.py",

@@ -415,6 +415,38 @@ def test_replay_diff_records_each_switch_of_the_configuration_the_default_follow
     assert list(recording_switches(SimpleNamespace(), iter([5, 6]), lru)) == [5, 6] and lru == []
 
 
+def test_replay_alone_replays_each_configuration_beside_the_baselines(tmp_path):
+    from benchmarks import replay_alone
+    from minivllm.cache.eviction import CONFIGURATION_NAMES
+
+    # two blocks of cache: LRU hits A on requests 3 and 5 (0.4 of the tokens); the seed's S3FIFO sends A to
+    # its ghost when B comes (a small queue of one block) and hits it on request 5 only (0.2)
+    lines = [json.dumps({"input_length": 512, "hash_ids": [h]}) for h in (1, 2, 1, 3, 1)]
+    trace = tmp_path / "abaca.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert replay_alone.main([str(trace), "--capacity", "2", "--out-dir", str(tmp_path)]) == 0
+    md = (tmp_path / "replay_alone-abaca-2.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| policy")]
+    assert [r.split(" | ")[0][2:] for r in rows] == [
+        "lru",
+        "s3fifo",
+        *(f"{name}, alone" for name in CONFIGURATION_NAMES),
+        replay_alone.PINNED,
+        "default",
+    ]
+    assert rows[0] == "| lru | 0.4000 | 1.000 |" and rows[1] == "| s3fifo | 0.2000 | 0.500 |"
+
+
+def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
+    from benchmarks.replay_alone import PINNED, markdown
+
+    rates = {"lru": 0.1, "s3fifo": 0.2, "a, alone": 0.19, "b, alone": 0.15, PINNED: 0.18, "default": 0.17}
+    md = markdown("t", 10, rates, [])
+    assert "the default: 0.850x" in md and "the best configuration alone, a: 0.950x; none reaches" in md
+    md = markdown("t", 10, {**rates, "b, alone": 0.195}, [])
+    assert "the best configuration alone, b: 0.975x; it reaches" in md
+
+
 def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
     from benchmarks import families
 
