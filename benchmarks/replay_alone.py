@@ -70,10 +70,11 @@ def markdown(trace: str, capacity: int, rates: dict[str, float], switches: list[
         + ("none reaches" if ratio[best] < BAR else "it reaches")
         + f" the bar of {BAR}x",
         f"- {PINNED}: {ratio[PINNED]:.3f}x",
-        "- the default switched configuration after request "
-        + (
-            ", ".join(f"{s.request} ({s.before} -> {s.after})" for s in switches)
-            or "none (it never switched)"
+        (
+            "- the default switched configuration after request "
+            + ", ".join(f"{s.request} ({s.before} -> {s.after})" for s in switches)
+            if switches
+            else "- the default never switched configuration"
         ),
         "",
         "| policy | token hit rate | / max(LRU, S3FIFO) |",

@@ -439,12 +439,15 @@ def test_replay_alone_replays_each_configuration_beside_the_baselines(tmp_path):
 
 def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
     from benchmarks.replay_alone import PINNED, markdown
+    from benchmarks.replay_diff import Switch
 
     rates = {"lru": 0.1, "s3fifo": 0.2, "a, alone": 0.19, "b, alone": 0.15, PINNED: 0.18, "default": 0.17}
     md = markdown("t", 10, rates, [])
     assert "the default: 0.850x" in md and "the best configuration alone, a: 0.950x; none reaches" in md
-    md = markdown("t", 10, {**rates, "b, alone": 0.195}, [])
+    assert "- the default never switched configuration" in md
+    md = markdown("t", 10, {**rates, "b, alone": 0.195}, [Switch(3, "a", "b"), Switch(8, "b", "a")])
     assert "the best configuration alone, b: 0.975x; it reaches" in md
+    assert "- the default switched configuration after request 3 (a -> b), 8 (b -> a)" in md
 
 
 def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
