@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.replay_diff import Switch, load, recording_switches, result_name
+from benchmarks.replay_diff import Switch, load, recording_switches, write_result
 from benchmarks.replay_sweep import REPO, git_commit, machine
 from minivllm.cache.eviction import CONFIGURATION_NAMES, CONFIGURATIONS, PinnedS3FIFO, Segmented
 from minivllm.replay import DEFAULT, TraceRequest, make_cache, prefix_hits, replay_cache, resolve_policy
@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     switches: list[Switch] = []
     rates = hit_rates(load(args.trace), args.capacity, switches)
     md = markdown(args.trace, args.capacity, rates, switches)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"replay_alone-{result_name(args.trace)}-{args.capacity}.md").write_text(md)
-    print(md)
+    write_result(args.out_dir, "replay_alone", args.trace, args.capacity, md)
     return 0
 
 

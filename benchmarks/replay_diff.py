@@ -66,9 +66,13 @@ def recording_switches(cache: EvictionPolicy, hits: Iterator[int], switches: lis
         yield hit
 
 
-def result_name(trace: str) -> str:
-    """The trace's name in a result file's name: a drawn trace's FAMILY#SEED, else the file's stem."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "", Path(trace).stem if "#" not in trace else trace)
+def write_result(out_dir: Path, kind: str, trace: str, capacity: int, md: str) -> None:
+    """Write and print a per-trace result, out_dir/<kind>-<trace>-<capacity>.md (a drawn trace is named by
+    its FAMILY#SEED, a file by its stem)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "", Path(trace).stem if "#" not in trace else trace)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{kind}-{name}-{capacity}.md").write_text(md)
+    print(md)
 
 
 def load(trace: str) -> list[TraceRequest]:
@@ -150,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     switches = {p: [] for p in policies}
     diffs = differences(requests, policies, args.capacity, switches)
     md = markdown(args.trace, args.capacity, policies, len(requests), diffs, switches)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"replay_diff-{result_name(args.trace)}-{args.capacity}.md").write_text(md)
-    print(md)
+    write_result(args.out_dir, "replay_diff", args.trace, args.capacity, md)
     return 0
 
 
