@@ -47,11 +47,8 @@ def hit_rates(requests: Sequence[TraceRequest], capacity: int, switches: list[Sw
         ).token_hit_rate
     rates[PINNED] = replay_cache(requests, PinnedS3FIFO(capacity), PINNED).token_hit_rate
     cache = make_cache(requests, resolve_policy(DEFAULT), capacity)
-    hits = list(recording_switches(cache, prefix_hits(requests, cache), switches))
-    total = sum(r.input_length for r in requests)
-    rates[DEFAULT] = (
-        sum(min(k * 512, r.input_length) for k, r in zip(hits, requests)) / total if total else 0.0
-    )
+    hits = recording_switches(cache, prefix_hits(requests, cache), switches)
+    rates[DEFAULT] = replay_cache(requests, cache, DEFAULT, hits=hits).token_hit_rate
     return rates
 
 

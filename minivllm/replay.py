@@ -362,13 +362,20 @@ def replay(
 
 
 def replay_cache(
-    requests: Sequence[TraceRequest], cache: EvictionPolicy, policy_name: str, block_size: int = 512
+    requests: Sequence[TraceRequest],
+    cache: EvictionPolicy,
+    policy_name: str,
+    block_size: int = 512,
+    hits: Iterator[int] | None = None,
 ) -> ReplayResult:
-    """Replay the trace against a policy object (for one built with options that `replay` does not pass)."""
+    """Replay the trace against a policy object (for one built with options that `replay` does not pass).
+    hits: the prefix hits, if the caller watches them pass (by default, prefix_hits of the cache)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if hits is None:
+        hits = prefix_hits(requests, cache, block_size)
     hit_tokens = total_tokens = hit_blocks = total_blocks = 0
-    for req, k in zip(requests, prefix_hits(requests, cache, block_size)):
+    for req, k in zip(requests, hits):
         hit_tokens += min(k * block_size, req.input_length)
         total_tokens += req.input_length
         hit_blocks += k
