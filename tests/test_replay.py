@@ -18,6 +18,7 @@ from minivllm.replay import (
     make_cache,
     prefix_hits,
     replay,
+    replay_cache,
     replay_tiers,
     sweep,
 )
@@ -77,6 +78,22 @@ def test_prefix_hits_yields_each_requests_hit_and_replays_the_whole_trace():
     cache = make_cache(trace, DEFAULT_EVICTION, 40)
     assert sum(prefix_hits(trace, cache)) == replay(trace, DEFAULT_EVICTION, 40).hit_blocks
     assert set(trace[-1].hash_ids) <= set(cache)
+
+
+def test_replay_cache_counts_the_hits_a_caller_watches_pass():
+    # benchmarks/replay_alone.py records the default's switches between requests this way
+    trace = random_prefix_trace(4)
+    cache = make_cache(trace, DEFAULT_EVICTION, 40)
+    seen = []
+
+    def watch(hits):
+        for k in hits:
+            seen.append(k)
+            yield k
+
+    r = replay_cache(trace, cache, DEFAULT_EVICTION, hits=watch(prefix_hits(trace, cache)))
+    assert len(seen) == len(trace) and sum(seen) == r.hit_blocks > 0
+    assert r.hit_blocks == replay(trace, DEFAULT_EVICTION, 40).hit_blocks
 
 
 def test_hit_tokens_clamped_to_input_length():
