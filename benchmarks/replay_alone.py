@@ -55,7 +55,8 @@ def hit_rates(requests: Sequence[TraceRequest], capacity: int, switches: list[Sw
 def markdown(trace: str, capacity: int, rates: dict[str, float], switches: list[Switch]) -> str:
     base = max(rates["lru"], rates["s3fifo"])
     ratio = {p: r / base if base else 0.0 for p, r in rates.items()}
-    alone = [p for p in rates if p.endswith(", alone")]
+    # the configurations alone; the last one's expert is S3FIFO run pinned
+    alone = [p for p in rates if p.endswith(", alone")] + [PINNED]
     best = max(alone, key=rates.__getitem__)
     lines = [
         f"# What each configuration of the default reaches alone: {trace} at {capacity} blocks",

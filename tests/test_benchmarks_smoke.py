@@ -448,6 +448,8 @@ def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
     md = markdown("t", 10, {**rates, "b, alone": 0.195}, [Switch(3, "a", "b"), Switch(8, "b", "a")])
     assert "the best configuration alone, b: 0.975x; it reaches" in md
     assert "- the default switched configuration after request 3 (a -> b), 8 (b -> a)" in md
+    md = markdown("t", 10, {**rates, PINNED: 0.199}, [])  # S3FIFO pinned is the last configuration's expert
+    assert f"the best configuration alone, {PINNED}: 0.995x; it reaches" in md
 
 
 def test_families_quick_measures_both_engines_in_every_phase(tmp_path):
