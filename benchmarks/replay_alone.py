@@ -11,9 +11,11 @@ bar, following the best of them cannot either; where one does, the default's sho
 finding it.
 
 TRACE is a JSON-lines trace or a drawn one, FAMILY#SEED (benchmarks/trace_families.py).
-Writes benchmarks/results/replay_alone-<trace>-<capacity>.md.
+Writes benchmarks/results/replay_alone-<trace>-<capacity>.md. With --span N it adds each policy's hits, in
+blocks, per span of N requests: where in the trace the default loses (a late switch, a costly one, a
+streak it followed).
 
-    python -m benchmarks.replay_alone TRACE --capacity 1000
+    python -m benchmarks.replay_alone TRACE --capacity 1000 [--span 100]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from benchmarks.replay_diff import Switch, load, recording_switches, write_result
@@ -33,26 +35,65 @@ BAR = 0.97  # the robustness bar: the default's hits over max(LRU, S3FIFO)
 PINNED = "S3FIFO with the engine's pins"
 
 
-def hit_rates(requests: Sequence[TraceRequest], capacity: int, switches: list[Switch]) -> dict[str, float]:
+def hit_rates(
+    requests: Sequence[TraceRequest],
+    capacity: int,
+    switches: list[Switch],
+    blocks: dict[str, list[int]] | None = None,
+) -> dict[str, float]:
     """Token hit rate per policy: the baselines, each configuration alone, the pinned S3FIFO, the default
-    (whose changes of configuration are appended to switches)."""
-    rates = {
-        p: replay_cache(requests, make_cache(requests, p, capacity), p).token_hit_rate
-        for p in ("lru", "s3fifo")
-    }
+    (whose changes of configuration are appended to switches). blocks, if given, gets each policy's block
+    hits per request."""
+    caches = {p: make_cache(requests, p, capacity) for p in ("lru", "s3fifo")}
     # the last configuration's expert is S3FIFO itself, run pinned (below); its rules are the one before it
     for name, configuration in zip(CONFIGURATION_NAMES[:-1], CONFIGURATIONS[:-1]):
-        rates[f"{name}, alone"] = replay_cache(
-            requests, Segmented(capacity, 4.0, *configuration), name
-        ).token_hit_rate
-    rates[PINNED] = replay_cache(requests, PinnedS3FIFO(capacity), PINNED).token_hit_rate
-    cache = make_cache(requests, resolve_policy(DEFAULT), capacity)
-    hits = recording_switches(cache, prefix_hits(requests, cache), switches)
-    rates[DEFAULT] = replay_cache(requests, cache, DEFAULT, hits=hits).token_hit_rate
+        caches[f"{name}, alone"] = Segmented(capacity, 4.0, *configuration)
+    caches[PINNED] = PinnedS3FIFO(capacity)
+    caches[DEFAULT] = make_cache(requests, resolve_policy(DEFAULT), capacity)
+    rates = {}
+    for name, cache in caches.items():
+        hits = prefix_hits(requests, cache)
+        if name == DEFAULT:
+            hits = recording_switches(cache, hits, switches)
+        if blocks is not None:
+            hits = _kept(hits, blocks.setdefault(name, []))
+        rates[name] = replay_cache(requests, cache, name, hits=hits).token_hit_rate
     return rates
 
 
-def markdown(trace: str, capacity: int, rates: dict[str, float], switches: list[Switch]) -> str:
+def _kept(hits: Iterator[int], into: list[int]) -> Iterator[int]:
+    """hits, passed on and appended to into."""
+    for hit in hits:
+        into.append(hit)
+        yield hit
+
+
+def span_table(blocks: dict[str, list[int]], span: int) -> list[str]:
+    """Each policy's block hits per span of requests, a column per policy, then the totals."""
+    names = list(blocks)
+    n = len(next(iter(blocks.values())))
+    lines = [
+        f"Block hits per {span} requests (the first request of each span; the default's switches above):",
+        "",
+        "| requests | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    for start in range(0, n, span):
+        lines.append(
+            f"| {start} | " + " | ".join(str(sum(blocks[p][start : start + span])) for p in names) + " |"
+        )
+    lines.append("| all | " + " | ".join(str(sum(blocks[p])) for p in names) + " |")
+    return lines
+
+
+def markdown(
+    trace: str,
+    capacity: int,
+    rates: dict[str, float],
+    switches: list[Switch],
+    blocks: dict[str, list[int]] | None = None,
+    span: int = 0,
+) -> str:
     base = max(rates["lru"], rates["s3fifo"])
     ratio = {p: r / base if base else 0.0 for p, r in rates.items()}
     # the configurations alone; the last one's expert is S3FIFO run pinned
@@ -80,6 +121,8 @@ def markdown(trace: str, capacity: int, rates: dict[str, float], switches: list[
         "|---|---:|---:|",
         *(f"| {p} | {r:.4f} | {ratio[p]:.3f} |" for p, r in rates.items()),
     ]
+    if blocks and span:
+        lines += ["", *span_table(blocks, span)]
     return "\n".join(lines) + "\n"
 
 
@@ -88,10 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", help="a JSON-lines trace, or FAMILY#SEED from benchmarks/trace_families.py")
     p.add_argument("--capacity", type=int, required=True, help="cache capacity in blocks")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--span", type=int, default=0, help="also give block hits per span of this many requests")
     args = p.parse_args(argv)
+    if args.span < 0:
+        p.error(f"--span must be >= 0, got {args.span}")
     switches: list[Switch] = []
-    rates = hit_rates(load(args.trace), args.capacity, switches)
-    md = markdown(args.trace, args.capacity, rates, switches)
+    blocks: dict[str, list[int]] = {}
+    rates = hit_rates(load(args.trace), args.capacity, switches, blocks)
+    md = markdown(args.trace, args.capacity, rates, switches, blocks, args.span)
     write_result(args.out_dir, "replay_alone", args.trace, args.capacity, md)
     return 0
 

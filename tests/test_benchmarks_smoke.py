@@ -435,6 +435,26 @@ def test_replay_alone_replays_each_configuration_beside_the_baselines(tmp_path):
         "default",
     ]
     assert rows[0] == "| lru | 0.4000 | 1.000 |" and rows[1] == "| s3fifo | 0.2000 | 0.500 |"
+    assert "Block hits per" not in md  # the spans only where asked
+
+
+def test_replay_alone_gives_each_policys_block_hits_per_span_of_requests(tmp_path):
+    from benchmarks import replay_alone
+
+    # the trace of the test above: LRU hits A on requests 3 and 5, the seed's S3FIFO on request 5 only
+    lines = [json.dumps({"input_length": 512, "hash_ids": [h]}) for h in (1, 2, 1, 3, 1)]
+    trace = tmp_path / "abaca.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert replay_alone.main([str(trace), "--capacity", "2", "--span", "3", "--out-dir", str(tmp_path)]) == 0
+    md = (tmp_path / "replay_alone-abaca-2.md").read_text()
+    header, _, *rows = md.split("Block hits per 3 requests")[1].strip().splitlines()[2:]
+    assert header.startswith("| requests | lru | s3fifo | ") and header.endswith(
+        f" | {replay_alone.PINNED} | default |"
+    )
+    cells = [row.strip("| ").split(" | ") for row in rows]
+    assert [c[:3] for c in cells] == [["0", "1", "0"], ["3", "1", "1"], ["all", "2", "1"]]
+    with pytest.raises(SystemExit):
+        replay_alone.main([str(trace), "--capacity", "2", "--span", "-1", "--out-dir", str(tmp_path)])
 
 
 def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
