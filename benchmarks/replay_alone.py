@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.replay_diff import Switch, load, recording_switches, write_result
@@ -55,17 +55,11 @@ def hit_rates(
         hits = prefix_hits(requests, cache)
         if name == DEFAULT:
             hits = recording_switches(cache, hits, switches)
+        per_request = list(hits)  # the whole replay first: replay_cache reads the cache's final state
         if blocks is not None:
-            hits = _kept(hits, blocks.setdefault(name, []))
-        rates[name] = replay_cache(requests, cache, name, hits=hits).token_hit_rate
+            blocks[name] = per_request
+        rates[name] = replay_cache(requests, cache, name, hits=iter(per_request)).token_hit_rate
     return rates
-
-
-def _kept(hits: Iterator[int], into: list[int]) -> Iterator[int]:
-    """hits, passed on and appended to into."""
-    for hit in hits:
-        into.append(hit)
-        yield hit
 
 
 def span_table(blocks: dict[str, list[int]], span: int) -> list[str]:
