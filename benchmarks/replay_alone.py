@@ -3,9 +3,9 @@
 The default follows one of its configurations at a time (minivllm.cache.eviction.Adaptive), so on a
 trace whose traffic keeps one shape it can at best match the configuration that suits it from the start.
 This replays, side by side, the seed's baselines (LRU and S3FIFO), each configuration run alone as a
-cache (``Segmented``), S3FIFO with the pins an engine keeps (``PinnedS3FIFO``: a request's pages are its
-KV, so no page a request in flight uses can leave, where the seed's S3FIFO gives up a long prompt's first
-blocks while it reads the rest) and the default with its switches. Each is given as a token hit rate and
+cache (``Segmented``), S3FIFO as the default's cache would hold it (``FollowedS3FIFO``: S3FIFO's keys in a
+cache whose pages in use cannot leave, where the seed's S3FIFO gives up a long prompt's first blocks while
+it reads the rest) and the default with its switches. Each is given as a token hit rate and
 as a ratio to max(LRU, S3FIFO), the robustness bar's baseline. Where no configuration alone reaches the
 bar, following the best of them cannot either; where one does, the default's shortfall is the cost of
 finding it.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from benchmarks.replay_diff import Switch, load, recording_switches, write_result
 from benchmarks.replay_sweep import REPO, git_commit, machine
-from minivllm.cache.eviction import CONFIGURATION_NAMES, CONFIGURATIONS, PinnedS3FIFO, Segmented
+from minivllm.cache.eviction import CONFIGURATION_NAMES, CONFIGURATIONS, FollowedS3FIFO, Segmented
 from minivllm.replay import DEFAULT, TraceRequest, make_cache, prefix_hits, replay_cache, resolve_policy
 
 BAR = 0.97  # the robustness bar: the default's hits over max(LRU, S3FIFO)
-PINNED = "S3FIFO with the engine's pins"
+FOLLOWED = "S3FIFO as the cache follows it"
 
 
 def hit_rates(
@@ -41,14 +41,14 @@ def hit_rates(
     switches: list[Switch],
     blocks: dict[str, list[int]] | None = None,
 ) -> dict[str, float]:
-    """Token hit rate per policy: the baselines, each configuration alone, the pinned S3FIFO, the default
+    """Token hit rate per policy: the baselines, each configuration alone, the followed S3FIFO, the default
     (whose changes of configuration are appended to switches). blocks, if given, gets each policy's block
     hits per request."""
     caches = {p: make_cache(requests, p, capacity) for p in ("lru", "s3fifo")}
-    # the last configuration's expert is S3FIFO itself, run pinned (below); its rules are the one before it
+    # the last configuration's expert is S3FIFO itself, as the cache follows it; its rules are the one before
     for name, configuration in zip(CONFIGURATION_NAMES[:-1], CONFIGURATIONS[:-1]):
         caches[f"{name}, alone"] = Segmented(capacity, 4.0, *configuration)
-    caches[PINNED] = PinnedS3FIFO(capacity)
+    caches[FOLLOWED] = FollowedS3FIFO(capacity)
     caches[DEFAULT] = make_cache(requests, resolve_policy(DEFAULT), capacity)
     rates = {}
     for name, cache in caches.items():
@@ -90,8 +90,8 @@ def markdown(
 ) -> str:
     base = max(rates["lru"], rates["s3fifo"])
     ratio = {p: r / base if base else 0.0 for p, r in rates.items()}
-    # the configurations alone; the last one's expert is S3FIFO run pinned
-    alone = [p for p in rates if p.endswith(", alone")] + [PINNED]
+    # the configurations alone; the last one's expert is S3FIFO as the cache follows it
+    alone = [p for p in rates if p.endswith(", alone")] + [FOLLOWED]
     best = max(alone, key=rates.__getitem__)
     lines = [
         f"# What each configuration of the default reaches alone: {trace} at {capacity} blocks",
@@ -103,7 +103,7 @@ def markdown(
         f"- the best configuration alone, {best.removesuffix(', alone')}: {ratio[best]:.3f}x; "
         + ("none reaches" if ratio[best] < BAR else "it reaches")
         + f" the bar of {BAR}x",
-        f"- {PINNED}: {ratio[PINNED]:.3f}x",
+        f"- {FOLLOWED}: {ratio[FOLLOWED]:.3f}x",
         (
             "- the default switched configuration after request "
             + ", ".join(f"{s.request} ({s.before} -> {s.after})" for s in switches)

@@ -15,8 +15,9 @@ from minivllm.cache.eviction import (
     FREQUENT,
     LRU,
     RECENT,
+    S3FIFO,
     Adaptive,
-    PinnedS3FIFO,
+    FollowedS3FIFO,
     Segmented,
 )
 from minivllm.replay import replay_cache
@@ -253,19 +254,20 @@ def test_the_default_follows_the_configuration_that_hits_more():
     recency = recency_forest(3, n_requests=1500, stay_prob=0.8)
     growing = forest(4, n_requests=1500, live=30)
     # On the agents' trace the seed's S3FIFO hits 0.252 of the tokens by giving up long prompts' own pages
-    # while they are read; run as a cache that cannot evict a page in use (the last shadow) it hits 0.127.
+    # while they are read; held as the cache would follow it (the last shadow) 0.178, within 1% of
+    # frequency's 0.180, and the default may end on either.
     for trace, leader in ((agents, 1), (recency, 0), (growing, 2)):
         policy = Adaptive(150)
         ours = replay_cache(trace, policy, "adaptive").token_hit_rate
-        runnable = [
+        alone = [
             replay_cache(trace, Segmented(150, 4.0, *config), "").token_hit_rate
             for config in CONFIGURATIONS[:-1]
         ]
-        shadows = [*runnable, replay_cache(trace, PinnedS3FIFO(150), "").token_hit_rate]
-        assert max(range(len(shadows)), key=shadows.__getitem__) == leader
-        assert policy.mode == leader
-        # a switch costs hits while the cache reshapes (0.984-0.998x here)
-        assert ours >= 0.98 * max(runnable)
+        alone.append(replay_cache(trace, FollowedS3FIFO(150), "").token_hit_rate)
+        assert max(range(len(alone)), key=alone.__getitem__) == leader
+        assert alone[policy.mode] >= 0.99 * alone[leader]  # the leader, or one within 1% of it
+        # a switch costs hits while the cache reshapes (0.981-1.000x here)
+        assert ours >= 0.98 * alone[leader]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -284,16 +286,31 @@ def test_after_a_switch_the_cache_holds_its_leaders_keys_and_hits_as_it_does(see
 
 
 def test_a_shadow_scores_only_the_hits_the_cache_could_serve():
-    """S3FIFO, the last shadow, can keep a prompt's tail after giving up its head; a lookup stops at the
-    first missing block, so those keys are no hit for the shadow either."""
-    policy = Adaptive(50)
-    prompt = ["a", "b", "c", "d", "e"]
-    request(policy, prompt)  # S3FIFO's small queue (5 keys) is full
-    request(policy, ["x"])  # its oldest key, the prompt's head, goes to the ghost
-    assert "e" in policy.shadows[-1] and "a" not in policy.shadows[-1]
-    request(policy, prompt)
-    assert policy.scores[-1] == 0
-    assert policy.scores[0] > 4.5  # the prefix-aware shadows held the whole prompt (5 hits, decayed)
+    """A key can outlive its parent: a page published under a cached parent the request does not hold (the
+    pool's private twins) keeps the parent from being a tail, and when every tail is in use the parent is
+    given up (Segmented.evict's last resort). A lookup stops at the first missing block, so the child left
+    behind is no hit for a shadow either."""
+    policy = Adaptive(3)
+    policy.access("p")
+    policy.release("p")
+    policy.access("q", "p")  # in use under p, which no request holds
+    policy.access("r")
+    policy.access("s")  # full, every tail in use: p goes
+    assert all("p" not in shadow and "q" in shadow for shadow in policy.shadows)
+    for key in ("s", "r", "q"):  # q last: p's return gives up s, not q
+        policy.release(key)
+    request(policy, ["p", "q"])
+    assert policy.scores == [0.0] * len(policy.shadows)
+
+
+def test_the_last_shadow_holds_s3fifos_keys():
+    rng = random.Random(3)
+    policy, seed = Adaptive(12), S3FIFO(12)
+    for _ in range(2000):
+        key = rng.randrange(40)
+        request(policy, [key])
+        seed.access(key)
+        assert set(seed) <= set(policy.shadows[-1])
 
 
 def test_the_keys_under_a_stray_key_are_strays_and_leave_first():

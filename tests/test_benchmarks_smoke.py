@@ -431,7 +431,7 @@ def test_replay_alone_replays_each_configuration_beside_the_baselines(tmp_path):
         "lru",
         "s3fifo",
         *(f"{name}, alone" for name in CONFIGURATION_NAMES[:-1]),
-        replay_alone.PINNED,
+        replay_alone.FOLLOWED,
         "default",
     ]
     assert rows[0] == "| lru | 0.4000 | 1.000 |" and rows[1] == "| s3fifo | 0.2000 | 0.500 |"
@@ -449,7 +449,7 @@ def test_replay_alone_gives_each_policys_block_hits_per_span_of_requests(tmp_pat
     md = (tmp_path / "replay_alone-abaca-2.md").read_text()
     header, _, *rows = md.split("Block hits per 3 requests")[1].strip().splitlines()[2:]
     assert header.startswith("| requests | lru | s3fifo | ") and header.endswith(
-        f" | {replay_alone.PINNED} | default |"
+        f" | {replay_alone.FOLLOWED} | default |"
     )
     cells = [row.strip("| ").split(" | ") for row in rows]
     assert [c[:3] for c in cells] == [["0", "1", "0"], ["3", "1", "1"], ["all", "2", "1"]]
@@ -458,18 +458,20 @@ def test_replay_alone_gives_each_policys_block_hits_per_span_of_requests(tmp_pat
 
 
 def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
-    from benchmarks.replay_alone import PINNED, markdown
+    from benchmarks.replay_alone import FOLLOWED, markdown
     from benchmarks.replay_diff import Switch
 
-    rates = {"lru": 0.1, "s3fifo": 0.2, "a, alone": 0.19, "b, alone": 0.15, PINNED: 0.18, "default": 0.17}
+    rates = {"lru": 0.1, "s3fifo": 0.2, "a, alone": 0.19, "b, alone": 0.15, FOLLOWED: 0.18, "default": 0.17}
     md = markdown("t", 10, rates, [])
     assert "the default: 0.850x" in md and "the best configuration alone, a: 0.950x; none reaches" in md
     assert "- the default never switched configuration" in md
     md = markdown("t", 10, {**rates, "b, alone": 0.195}, [Switch(3, "a", "b"), Switch(8, "b", "a")])
     assert "the best configuration alone, b: 0.975x; it reaches" in md
     assert "- the default switched configuration after request 3 (a -> b), 8 (b -> a)" in md
-    md = markdown("t", 10, {**rates, PINNED: 0.199}, [])  # S3FIFO pinned is the last configuration's expert
-    assert f"the best configuration alone, {PINNED}: 0.995x; it reaches" in md
+    md = markdown(
+        "t", 10, {**rates, FOLLOWED: 0.199}, []
+    )  # the followed S3FIFO is the last configuration's expert
+    assert f"the best configuration alone, {FOLLOWED}: 0.995x; it reaches" in md
 
 
 def test_families_quick_measures_both_engines_in_every_phase(tmp_path):

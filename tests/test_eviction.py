@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, Adaptive, PinnedS3FIFO, make_policy
+from minivllm.cache.eviction import FIFO, LRU, POLICIES, S3FIFO, Adaptive, FollowedS3FIFO, make_policy
 from minivllm.config import EVICTION_POLICIES, EngineConfig, Eviction
 
 
@@ -215,24 +215,30 @@ def test_forced_eviction_returns_none_when_everything_is_pinned():
     assert S3FIFO(4).evict(lambda k: True) is None  # empty
 
 
-# --- S3FIFO as a pinned cache runs it (the default's shadow of it) ---
+# --- S3FIFO as the default's cache holds it (the default's shadow of it) ---
 
 
-def test_pinned_s3fifo_is_the_seeds_s3fifo_when_nothing_stays_in_use():
+def test_followed_s3fifo_holds_the_seeds_keys_when_nothing_stays_in_use():
+    """Each key released before the next access: S3FIFO's every key is held, and a key it gave up stays only
+    as a stray (the first victim), so the cache never holds more than S3FIFO's keys and one stray per gap
+    S3FIFO leaves below its capacity."""
     rng = random.Random(7)
-    keys = [rng.randrange(40) for _ in range(3000)]
-    seed, pinned = S3FIFO(12), PinnedS3FIFO(12)
-    for key in keys:
-        assert pinned.access(key) == seed.access(key)
-        pinned.release(key)
-    assert state(pinned) == state(seed)
+    seed, followed = S3FIFO(12), FollowedS3FIFO(12)
+    for _ in range(3000):
+        key = rng.randrange(40)
+        seed.access(key)
+        followed.access(key)
+        followed.release(key)
+        assert set(seed) <= set(followed) and len(followed) <= 12
+        assert all(followed._entries[k].stray for k in set(followed) - set(seed))
 
 
-def test_pinned_s3fifo_gives_up_no_key_in_use_and_keeps_its_capacity():
+def test_followed_s3fifo_gives_up_no_key_in_use_and_then_the_keys_s3fifo_gave_up_first():
     """A scan longer than the small queue: the seed's S3FIFO gives up the scan's own first blocks while it
-    reads the rest; a pinned cache cannot, so the room comes from main's keys not in use."""
-    seed, pinned = S3FIFO(10), PinnedS3FIFO(10)  # S=1, M=9
-    for policy in (seed, pinned):
+    reads the rest; a cache cannot, so it gives up other keys then, and the scan's keys S3FIFO gave up go
+    first once the scan is released, before main's hot keys."""
+    seed, followed = S3FIFO(10), FollowedS3FIFO(10)  # S=1, M=9
+    for policy in (seed, followed):
         for key in range(9):  # nine keys reach main: each seen twice, one at a time
             policy.access(key)
             policy.access(key)
@@ -241,10 +247,17 @@ def test_pinned_s3fifo_gives_up_no_key_in_use_and_keeps_its_capacity():
             policy.release(f"cold{key}")
     scan = [f"s{i}" for i in range(5)]
     assert [k for key in scan for k in seed.access(key)][:4] == ["cold8", *scan[:3]]
-    evicted = [k for key in scan for k in pinned.access(key)]
+    evicted = [k for key in scan for k in followed.access(key)]
     assert not set(evicted) & set(scan)
-    assert all(key in pinned for key in scan) and len(pinned) == 10
-    assert len(evicted) == 5  # cold8, then four of main's keys (second chance: freq 1 each, then gone)
+    assert all(key in followed for key in scan) and len(followed) == 10
+    for key in reversed(scan):
+        followed.release(key)
+    strays = {k for k in followed if followed._entries[k].stray}
+    assert strays == {k for k in scan if k not in seed} and len(strays) == 4
+    hot = [k for k in range(9) if k in followed]
+    after = [k for i in range(len(strays)) for k in followed.access(f"new{i}")]
+    assert set(after) <= set(scan)  # the scan's keys, not the hot keys still held
+    assert all(k in followed for k in hot)
 
 
 # --- LRU and FIFO ---

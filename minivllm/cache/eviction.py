@@ -285,72 +285,6 @@ class S3FIFO(EvictionPolicy):
         return None  # only reached if can_evict changed its mind between passes
 
 
-class PinnedS3FIFO(S3FIFO):
-    """S3FIFO as a cache that cannot evict a page in use runs it: the default's shadow of S3FIFO.
-
-    A key is in use from its access to its release. Where the seed's rules would give up such a key with
-    freq 0, it goes back to the tail of its queue instead (small: not promoted; main: freq stays 0) and
-    the next candidate is tried. A small queue whose keys are all in use runs over its share and main
-    gives up that many keys more (second chance, in-use keys kept), so the total stays the capacity unless
-    every key is in use. Why: on a prompt longer than the small queue the seed's S3FIFO gives up the
-    prompt's own first blocks while it reads the rest and keeps older keys the pinned cache has to give up
-    instead; a shadow that counts those hits leads with hits the cache following it can never realise (on
-    agent sessions over long shared prompts the seed's class hits 0.252 of the tokens, 0.127 run pinned;
-    `scan#24` at 1k blocks: the default 0.966x max(LRU, S3FIFO) following the seed's class, 0.992x
-    following this one). The seed's class stays the replay's baseline."""
-
-    def __init__(self, capacity: int, small_ratio: float = 0.1, max_freq: int = 3):
-        super().__init__(capacity, small_ratio, max_freq)
-        self._in_use: set = set()
-
-    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
-        self._in_use.add(key)
-        return super().access(key, parent, partial)
-
-    def release(self, key: Hashable) -> None:
-        self._in_use.discard(key)
-
-    def _admit_to_small(self, key: Hashable, evicted: list) -> None:
-        kept = set()  # in-use keys sent back to the tail: once it holds every key, none can leave
-        while len(self._small) >= self.small_cap and len(kept) < len(self._small):
-            victim, vf = self._small.popitem(last=False)
-            if vf >= 1:
-                self._admit_to_main(victim, vf, evicted)
-            else:
-                self._leave_unless_in_use(self._small, victim, kept, evicted)
-        if len(self._small) >= self.small_cap:  # all in use: the room comes from main
-            self._free_main(len(self._small) + 1 - self.small_cap, evicted)
-        self._small[key] = 0
-
-    def _admit_to_main(self, key: Hashable, freq: int, evicted: list) -> None:
-        if self.main_cap == 0:
-            evicted.append(key)
-            return
-        self._free_main(1 + max(len(self._small) - self.small_cap, 0), evicted)
-        self._main[key] = freq
-
-    def _free_main(self, places: int, evicted: list) -> None:
-        """Main's second chance until it has ``places`` free below its share (the seed's rule for one
-        place), in-use keys kept: the small queue's overrun is main's to pay, the total stays the capacity."""
-        kept = set()
-        while len(self._main) > self.main_cap - places and len(kept) < len(self._main):
-            victim, vf = self._main.popitem(last=False)
-            if vf >= 1:
-                self._main[victim] = vf - 1
-            else:
-                self._leave_unless_in_use(self._main, victim, kept, evicted)
-
-    def _leave_unless_in_use(self, queue: OrderedDict, victim: Hashable, kept: set, evicted: list) -> None:
-        """A freq-0 candidate popped from ``queue`` goes to the ghost, as the seed says, unless a request
-        uses it: then it goes back to the queue's tail (``kept``)."""
-        if victim in self._in_use:
-            queue[victim] = 0
-            kept.add(victim)
-        else:
-            self._insert_to_ghost(victim)
-            evicted.append(victim)
-
-
 RECENT, FREQUENT = 0, 1  # the adaptive policy's segments
 STRAY = 2  # the candidates given up first: keys the configuration the cache follows no longer holds
 
@@ -757,7 +691,7 @@ CONFIGURATIONS = (
     (None, False, True, None),
     (None, False, False, 0.25),
     (0.1, False, False, 1.0),
-    (0.1, False, False, 1.0),  # S3FIFO's own keys (PinnedS3FIFO), followed with these rules
+    (0.1, False, False, 1.0),  # S3FIFO's own keys, held with these rules (FollowedS3FIFO)
 )
 CONFIGURATION_NAMES = (
     "ARC, long memory",
@@ -767,6 +701,39 @@ CONFIGURATION_NAMES = (
     "ARC with S3FIFO's shares",
     "S3FIFO",
 )
+
+
+class FollowedS3FIFO(Segmented):
+    """S3FIFO as the default's cache runs it while following it: the seed's S3FIFO decides which keys to
+    hold, ARC's segments with S3FIFO's shares (``CONFIGURATIONS[-1]``) hold them, and a key S3FIFO gave up
+    is a stray, the first victim once no request uses it (as ``Adaptive`` marks the keys its cache holds and
+    the configuration it follows does not). The default's last shadow.
+
+    Why: on a prompt longer than its small queue the seed's S3FIFO gives up the prompt's own first blocks
+    while it reads the rest, and keeps older keys that a cache whose pages in use cannot leave has to give
+    up instead. A shadow of the seed's class counts hits the cache following it never realises (``scan#24``
+    at 1k blocks: the default 0.966x max(LRU, S3FIFO) following it). A shadow of S3FIFO's own rules with
+    the keys in use kept (``PinnedS3FIFO``, 0186f5e to 69ef61a) realises them, but gives up hot keys while a
+    long prompt is read: where one-off scans pass under a hot set larger than the pool it fell far behind the
+    S3FIFO it ran (``scan#329`` at 1k blocks: 0.0509 of the tokens against 0.0647), where ARC's segments,
+    which give up a released one-off prompt before a hot key, hold S3FIFO's keys (0.0635; the default
+    0.926x -> 0.999x max(LRU, S3FIFO), ``scan#220`` 0.955x -> 0.996x). This shadow is the cache itself had it
+    followed S3FIFO from the start: what it scores, the cache can hit."""
+
+    def __init__(self, capacity: int, history: float = 4.0):
+        super().__init__(capacity, history, *CONFIGURATIONS[-1])
+        self.s3fifo = S3FIFO(capacity)  # the seed's rules: which keys to hold
+
+    def access(self, key: Hashable, parent: Hashable | None = None, partial: bool = False) -> list:
+        for gone in self.s3fifo.access(key, parent, partial):
+            self.set_stray(gone, True)
+        evicted = super().access(key, parent, partial)
+        self.set_stray(key, key not in self.s3fifo)
+        return evicted
+
+    def remove(self, key: Hashable) -> None:
+        self.s3fifo.remove(key)
+        super().remove(key)
 
 
 class Adaptive(EvictionPolicy):
@@ -781,9 +748,9 @@ class Adaptive(EvictionPolicy):
     Mooncake synthetic trace). None is within 3% of the better of LRU and S3FIFO everywhere, and on popular
     prompts beside one-off prompts that return (benchmarks/trace_families.py's revisits) S3FIFO beat every
     configuration by 3-4% on held-out seeds (ARC's segments with S3FIFO's shares came closest), so the
-    last shadow is S3FIFO itself (``PinnedS3FIFO``: the seed's rules, in-use keys kept as the cache must),
-    which the cache follows with S3FIFO's shares on ARC's segments (its keys, below, do the rest); those
-    rules, with keys of their own, are a configuration too (long one-off prompts under a hot set larger
+    last shadow is S3FIFO itself, as the cache would run it (``FollowedS3FIFO``: S3FIFO's keys held by
+    ARC's segments with S3FIFO's shares, pages in use kept); those rules, with keys of their own, are a
+    configuration too (long one-off prompts under a hot set larger
     than the pool: see CONFIGURATIONS). The
     policy keeps a shadow of each (keys only, no pages: the same accesses and releases, their own
     evictions), counts the prefix hits of each over the last ``WINDOW`` times the capacity accesses
@@ -900,7 +867,7 @@ class Adaptive(EvictionPolicy):
         _check_capacity(capacity)
         self.capacity = capacity
         self.shadows: list[EvictionPolicy] = [Segmented(capacity, history, *c) for c in CONFIGURATIONS[:-1]]
-        self.shadows.append(PinnedS3FIFO(capacity))  # followed with CONFIGURATIONS[-1]'s rules and its keys
+        self.shadows.append(FollowedS3FIFO(capacity, history))
         self.cache = Segmented(capacity, history, *CONFIGURATIONS[0])
         self.mode = 0  # index in CONFIGURATIONS of the configuration the cache runs
         self.scores = [0.0] * len(CONFIGURATIONS)  # each shadow's decayed hits
