@@ -304,6 +304,7 @@ def test_a_shadow_scores_only_the_hits_the_cache_could_serve():
 
 
 def test_the_last_shadow_holds_s3fifos_keys():
+    """Every key the seed's S3FIFO holds, the last shadow holds too (it keeps others only as strays)."""
     rng = random.Random(3)
     policy, seed = Adaptive(12), S3FIFO(12)
     for _ in range(2000):

@@ -468,9 +468,8 @@ def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
     md = markdown("t", 10, {**rates, "b, alone": 0.195}, [Switch(3, "a", "b"), Switch(8, "b", "a")])
     assert "the best configuration alone, b: 0.975x; it reaches" in md
     assert "- the default switched configuration after request 3 (a -> b), 8 (b -> a)" in md
-    md = markdown(
-        "t", 10, {**rates, FOLLOWED: 0.199}, []
-    )  # the followed S3FIFO is the last configuration's expert
+    # the followed S3FIFO is the last configuration's expert
+    md = markdown("t", 10, {**rates, FOLLOWED: 0.199}, [])
     assert f"the best configuration alone, {FOLLOWED}: 0.995x; it reaches" in md
 
 
