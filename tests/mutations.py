@@ -328,6 +328,14 @@ MUTATIONS = [
         ("tests/test_eviction.py", "-k", "followed_s3fifo"),
     ),
     Mutation(
+        "followed-s3fifo-remove-keeps-s3fifos-key",
+        "removing a key from the followed S3FIFO leaves it in the S3FIFO that picks its keys",
+        "minivllm/cache/eviction.py",
+        "        self.s3fifo.remove(key)\n",
+        "",
+        ("tests/test_eviction.py", "-k", "followed_s3fifo"),
+    ),
+    Mutation(
         "default-shadow-hits-past-a-miss",
         "a shadow scores every key it holds, also past the request's first missing block",
         "minivllm/cache/eviction.py",

@@ -260,6 +260,17 @@ def test_followed_s3fifo_gives_up_no_key_in_use_and_then_the_keys_s3fifo_gave_up
     assert all(k in followed for k in hot)
 
 
+def test_followed_s3fifo_forgets_a_removed_key_in_both_its_parts():
+    followed = FollowedS3FIFO(4)
+    for key in "abc":
+        followed.access(key)
+        followed.release(key)
+    assert "c" in followed.s3fifo  # its small queue's one key
+    followed.remove("c")
+    assert "c" not in followed and "c" not in followed.s3fifo
+    assert sorted(followed) == ["a", "b"]  # S3FIFO gave them up: strays, held while there is room
+
+
 # --- LRU and FIFO ---
 
 
