@@ -752,13 +752,11 @@ class Adaptive(EvictionPolicy):
     configuration by 3-4% on held-out seeds (ARC's segments with S3FIFO's shares came closest), so the
     last shadow is S3FIFO itself, as the cache would run it (``FollowedS3FIFO``: S3FIFO's keys held by
     ARC's segments with S3FIFO's shares, pages in use kept); those rules, with keys of their own, are a
-    configuration too (long one-off prompts under a hot set larger
-    than the pool: see CONFIGURATIONS). The
-    policy keeps a shadow of each (keys only, no pages: the same accesses and releases, their own
-    evictions), counts the prefix hits of each over the last ``WINDOW`` times the capacity accesses
-    (exponentially decayed), and switches its own cache to the configuration of the leader once the
-    leader is ahead of the configuration in use by ``Z`` times the lead's noise (``Z_BACK`` times to go back
-    to a configuration it left lately).
+    configuration too (why: see CONFIGURATIONS). The policy keeps a shadow of each (keys only, no pages:
+    the same accesses and releases, their own evictions), counts the prefix hits of each over the last
+    ``WINDOW`` times the capacity accesses (exponentially decayed), and switches its own cache to the
+    configuration of the leader once the leader is ahead of the configuration in use by ``Z`` times the
+    lead's noise (``Z_BACK`` times to go back to a configuration it left lately).
     This is the miniature-simulation idea (Waldspurger et al., USENIX ATC 2017) at full size. The cache
     is one ``Segmented``: every guarantee of that class (prefix-aware, tails first, in-use keys never
     evicted, evicting only when full) holds.
@@ -910,7 +908,8 @@ class Adaptive(EvictionPolicy):
         self.bound = self.bound * self._decay + self._bound_hitting
         gave_up = []  # the keys each shadow gave up
         for i, shadow in enumerate(self.shadows):
-            # a prefix hit, as the cache serves it: S3FIFO may hold a key after giving up its parent
+            # a prefix hit, as the cache serves it: a key can outlive its parent (Segmented.evict's last
+            # resort)
             hit = self._hitting[i] = self._hitting[i] and key in shadow
             self.scores[i] = self.scores[i] * self._decay + hit
             self._request[i] += hit
