@@ -76,6 +76,7 @@ def test_messages_names_what_claude_code_sends_that_a_model_without_thinking_can
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         "metadata": {"user_id": '{"device_id": "d"}'},
         "stop_sequences": ["zz"],
+        "temperature": 0,  # greedy: a sampled random model now and then writes the stop sequence
     }
     r = _post(server, "/v1/messages", body, headers={"anthropic-beta": "effort-2025-11-24"})
     assert _ignored(r) == {
