@@ -509,13 +509,23 @@ class Scripted:
         pass
 
 
-@pytest.mark.parametrize("case", ["kept", "one request", "below the bound"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "kept",
+        "one request",
+        "below the bound",
+        "below the bound at the start",
+        "below the bound after a switch",
+    ],
+)
 def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_up(case):
     """The leader (0) gives up k500, the runner-up (1) k600. With the runner-up at the bound, after a request
     the two served three blocks apart, the cache keeps k500 and gives up k600; once the runner-up gives up
     k500 too, k500 is the cache's next victim (its own rules would give up its least recently used key).
     After one request a block apart, or with the runner-up below the bound, the cache gives up what the
-    leader gives up."""
+    leader gives up; but at the start (no switch yet, START_KEEP capacities from the shadows' first
+    eviction) it keeps for the runner-up below the bound too, unless the cache has switched."""
     policy = Adaptive(1000)
     policy.shadows = [Scripted() for _ in CONFIGURATIONS]
     for i in range(1000):  # the pool fills
@@ -523,18 +533,24 @@ def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_u
     for _ in range(2000):  # every shadow hits as much as a cache that forgot nothing: the bound
         request(policy, ["k0"])
     # the prompt the leader serves and every other shadow misses: 3 blocks, 1, or 20 (past the bound's 0.5%)
-    prompts = {"kept": ["x", "y", "z"], "one request": ["x"], "below the bound": [f"p{i}" for i in range(20)]}
-    prompt = prompts[case]
+    twenty = [f"p{i}" for i in range(20)]
+    prompts = {"kept": ["x", "y", "z"], "one request": ["x"], "below the bound": twenty}
+    prompt = prompts.get(case, twenty)
     request(policy, prompt)
     for shadow in policy.shadows[1:]:  # every other shadow gives the prompt up, the leader keeps it
         shadow.gives_up["gone"] = list(prompt)
-    request(policy, ["gone"])
+    request(policy, ["gone"])  # the shadows' first eviction
+    assert policy._filled_at == policy._accesses
+    if case == "below the bound after a switch":
+        policy._left[2] = policy._accesses  # the cache left configuration 2 for 0
+    elif case != "below the bound at the start":  # the start is over (only its accesses count)
+        policy._filled_at -= Adaptive.START_KEEP * 1000
     request(policy, prompt)
     assert policy.mode == 0
     policy.shadows[0].gives_up["e"] = ["k500"]
     policy.shadows[1].gives_up["e"] = ["k600"]
     evicted = request(policy, ["e"])
-    if case != "kept":
+    if case not in ("kept", "below the bound at the start"):
         assert evicted == ["k500"]
         return
     assert evicted == ["k600"]
