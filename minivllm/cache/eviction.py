@@ -867,9 +867,9 @@ class Adaptive(EvictionPolicy):
     # still holds much the same keys then, and a leader that loses its lead a few capacities later leaves
     # fewer keys to fetch: on popular prompts beside one-off prompts that return (revisits#181 at 3k blocks)
     # S3FIFO led ARC with a long memory by 131 blocks at the first switch and the cache then hit 612 fewer
-    # than it over the next 2,000 requests, 0.967x max(LRU, S3FIFO); 0.971x keeping (screen of the 115
-    # hardest drawn cases: 3 under 0.97x against 4, 19 revisits cases up 0.4-2.3%, none down by more than
-    # 0.5%). Kept to the first switch alone, a cache that never switches keeps them all along, a key the
+    # than it over the next 1,900 requests, 0.967x max(LRU, S3FIFO); 0.971x keeping (screen of the 115
+    # hardest drawn cases: 3 under 0.97x against 4, 13 revisits cases up 0.4-2.4%, none down by more than
+    # 0.4%). Kept to the first switch alone, a cache that never switches keeps them all along, a key the
     # leader holds given up for each one kept: one-off scans under a hot set larger than the pool (scan#58
     # at 1k blocks) 0.979x -> 0.896x; at 8 capacities, the conversation trace at 10k blocks 0.2330, at its
     # floor (0.2333 at 4).
@@ -897,7 +897,7 @@ class Adaptive(EvictionPolicy):
         self._accesses = 0
         self._filled_at: int | None = None  # the access at which a shadow first gave up a key
         self._left: dict[int, int] = {}  # configuration -> the access at which the cache last left it
-        self._runner: int | None = None  # the runner-up at the bound the cache keeps keys for, if any
+        self._runner: int | None = None  # the runner-up the cache keeps keys for, if any
         self._kept: dict[Hashable, None] = {}  # cached keys the followed shadow lacks, kept for the runner-up
 
     def __contains__(self, key: Hashable) -> bool:
@@ -985,9 +985,9 @@ class Adaptive(EvictionPolicy):
         return self.scores[i] >= (1 - self.BOUND_SHARE) * self.bound
 
     def _give_up(self, left: list, followed: EvictionPolicy, runner: int | None, runner_left: list) -> None:
-        """The followed shadow gave up ``left``: those keys become strays, except that, for a runner-up at the
-        bound (which gave up ``runner_left``), the cache keeps each one the runner-up holds in place of a key
-        of ``runner_left`` the followed shadow holds, which becomes a stray instead."""
+        """The followed shadow gave up ``left``: those keys become strays, except that, for a runner-up to keep
+        keys for (which gave up ``runner_left``), the cache keeps each one the runner-up holds in place of a
+        key of ``runner_left`` the followed shadow holds, which becomes a stray instead."""
         instead = [k for k in runner_left if k in self.cache and k in followed and k not in self._kept]
         for k in left:
             keep = bool(instead) and k not in followed and k in self.cache and k in self.shadows[runner]
