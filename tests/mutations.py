@@ -427,9 +427,36 @@ MUTATIONS = [
         "the default's noise test leaves out the request under way, whose hits the lead already holds (one "
         "long prompt that one shadow holds switches the cache)",
         "minivllm/cache/eviction.py",
-        "        return (self._noise[i, j] + (self._request[i] - self._request[j]) ** 2) ** 0.5",
-        "        return self._noise[i, j] ** 0.5",
+        "        return (noise[i, j] + (self._request[i] - self._request[j]) ** 2) ** 0.5",
+        "        return noise[i, j] ** 0.5",
         ("tests/test_adaptive_eviction.py", "-k", "one_long"),
+    ),
+    Mutation(
+        "default-has-one-time-scale",
+        "the default tests a lead over WINDOW alone (where a better configuration gains on a request in forty, "
+        "its lead stays within the noise of the window for good)",
+        "minivllm/cache/eviction.py",
+        "        return self._long_leader_past_the_noise()\n",
+        "        return None\n",
+        ("tests/test_adaptive_eviction.py", "-k", "long_window"),
+    ),
+    Mutation(
+        "default-follows-a-long-leader-behind-lately",
+        "the default follows the leader over LONG_WINDOW even where it is behind the configuration in use over "
+        "WINDOW (its hits have gone)",
+        "minivllm/cache/eviction.py",
+        "        if leader == self.mode or self.scores[leader] < self.scores[self.mode]:\n",
+        "        if leader == self.mode:\n",
+        ("tests/test_adaptive_eviction.py", "-k", "long_window"),
+    ),
+    Mutation(
+        "default-long-test-at-z",
+        "the default's long test switches at Z deviations, as the window's (a lead from the first pools of "
+        "the synthetic trace's last quarter switched the cache twice: 1.017x -> 0.967x max(LRU, S3FIFO))",
+        "minivllm/cache/eviction.py",
+        "self.Z_BACK if self._left_lately(leader) else self.Z_LONG\n",
+        "self.Z_BACK if self._left_lately(leader) else self.Z\n",
+        ("tests/test_adaptive_eviction.py", "-k", "long_window"),
     ),
     Mutation(
         "default-waits-for-a-share-of-the-window",

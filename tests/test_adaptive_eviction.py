@@ -255,7 +255,10 @@ def test_the_default_follows_the_configuration_that_hits_more():
     growing = forest(4, n_requests=1500, live=30)
     # On the agents' trace the seed's S3FIFO hits 0.252 of the tokens by giving up long prompts' own pages
     # while they are read; held as the cache would follow it (the last shadow) 0.178, within 1% of
-    # frequency's 0.180, and the default may end on either.
+    # frequency's 0.180, and the default may end on either. On the recency forest ARC with S3FIFO's shares
+    # hits 0.986x ARC proper alone; the default, back on ARC proper from the LRU configuration 13,000
+    # accesses sooner with the long window's test, then follows it on a lead within WINDOW and ends there
+    # (0.682 of the tokens, 0.988x ARC proper; 0.679 ending on ARC proper without the long window).
     for trace, leader in ((agents, 1), (recency, 0), (growing, 2)):
         policy = Adaptive(150)
         ours = replay_cache(trace, policy, "adaptive").token_hit_rate
@@ -265,7 +268,7 @@ def test_the_default_follows_the_configuration_that_hits_more():
         ]
         alone.append(replay_cache(trace, FollowedS3FIFO(150), "").token_hit_rate)
         assert max(range(len(alone)), key=alone.__getitem__) == leader
-        assert alone[policy.mode] >= 0.99 * alone[leader]  # the leader, or one within 1% of it
+        assert alone[policy.mode] >= 0.985 * alone[leader]  # the leader, or one within 1.5% of it
         # a switch costs hits while the cache reshapes (0.981-1.000x here)
         assert ours >= 0.98 * alone[leader]
 
@@ -486,6 +489,34 @@ def test_a_lead_switches_the_cache_on_its_deviations_alone(deviations, lead, at_
     policy._noise[0, 1] = (lead / deviations) ** 2
     policy.bound = lead if at_bound else 1000.0
     request(policy, ["new"])  # no shadow hits it: the lead, its noise and the bound decay alike
+    assert policy.mode == (1 if switches else 0)
+
+
+@pytest.mark.parametrize(
+    ("deviations", "ahead_lately", "left_lately", "switches"),
+    [
+        (2.75, True, False, True),
+        (2.25, True, False, False),
+        (2.75, False, False, False),
+        (2.75, True, True, False),
+        (3.25, True, True, True),
+    ],
+)
+def test_a_lead_over_the_long_window_switches_the_cache(deviations, ahead_lately, left_lately, switches):
+    """Where few requests tell two configurations apart, a lead too noisy over WINDOW switches the cache once
+    it passes Z_LONG deviations of its noise over LONG_WINDOW (Z_BACK to go back to a configuration left
+    lately), unless the leader is behind the configuration in use over WINDOW."""
+    assert Adaptive.Z < 2.25 < Adaptive.Z_LONG < 2.75 < Adaptive.Z_BACK < 3.25
+    policy = Adaptive(100)
+    policy.long_scores[1] = 500.0  # configuration 1 leads the one in use (0) over the long window
+    policy._long_noise[0, 1] = (500.0 / deviations) ** 2
+    policy.scores[1 if ahead_lately else 0] = 5.0  # over WINDOW: a lead far within its noise
+    policy._noise[0, 1] = 50.0**2
+    policy.bound = 1000.0  # far from the bound: Z_AT_BOUND plays no part
+    if left_lately:
+        policy._accesses = 10**6
+        policy._left[1] = policy._accesses - 1
+    request(policy, ["new"])  # no shadow hits it: the leads and their noise decay alike
     assert policy.mode == (1 if switches else 0)
 
 
