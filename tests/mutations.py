@@ -371,8 +371,8 @@ MUTATIONS = [
         "default-never-switches",
         "the default policy keeps its first configuration whichever shadow hits more",
         "minivllm/cache/eviction.py",
-        "        if leader == self.mode:\n            return None",
-        "        if True:\n            return None",
+        "        leader = self._leader_past_the_noise()\n",
+        "        leader = None\n",
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
@@ -418,8 +418,8 @@ MUTATIONS = [
         "the default policy switches configuration on a lead above a fixed share of its window however noisy "
         "(a single long prompt one shadow happens to hold: 17 switches on the synthetic trace's last third)",
         "minivllm/cache/eviction.py",
-        "        return leader if lead > z * self._lead_noise(leader, self.mode) else None",
-        "        return leader if lead > 0.01 * self.WINDOW * self.capacity else None",
+        "            if lead > z * self._lead_noise(leader, self.mode):\n",
+        "            if lead > 0.01 * self.WINDOW * self.capacity:\n",
         ("tests/test_policy_robustness.py", "-k", "third"),
     ),
     Mutation(
@@ -463,9 +463,8 @@ MUTATIONS = [
         "the default policy switches only once the lead also passes 1.5% of its window (on forests that fill "
         "the cache late, the LRU configuration's lead passed its noise long before and the trace ended first)",
         "minivllm/cache/eviction.py",
-        "        return leader if lead > z * self._lead_noise(leader, self.mode) else None",
-        "        return leader if lead > max(z * self._lead_noise(leader, self.mode), "
-        "0.015 * self.WINDOW * self.capacity) else None",
+        "            if lead > z * self._lead_noise(leader, self.mode):\n",
+        "            if lead > max(z * self._lead_noise(leader, self.mode), 0.015 * self.WINDOW * self.capacity):\n",
         ("tests/test_adaptive_eviction.py", "-k", "deviations_alone"),
     ),
     Mutation(
