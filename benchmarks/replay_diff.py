@@ -101,14 +101,20 @@ def differences(
     return out
 
 
+def net_and_noise(diffs: Sequence[Difference]) -> tuple[int, float]:
+    """The net of the first policy's hits over the second's, in blocks, and its noise: the root of the
+    summed squares of the differences, the spread of the net were each request a coin flip between them."""
+    net = sum(d.hits[0] - d.hits[1] for d in diffs)
+    return net, sum((d.hits[0] - d.hits[1]) ** 2 for d in diffs) ** 0.5
+
+
 def markdown(
     trace: str, capacity: int, policies: Sequence[str], n: int, diffs: list[Difference], switches: dict
 ) -> str:
     a, b = policies
-    net = sum(d.hits[0] - d.hits[1] for d in diffs)
+    net, noise = net_and_noise(diffs)
     gross = sum(abs(d.hits[0] - d.hits[1]) for d in diffs)
     won = [d for d in diffs if d.hits[0] > d.hits[1]]
-    noise = sum((d.hits[0] - d.hits[1]) ** 2 for d in diffs) ** 0.5
     lines = [
         f"# Requests that decide `{a}` against `{b}`: {trace} at {capacity} blocks",
         "",

@@ -390,6 +390,49 @@ def test_replay_diff_gives_the_net_in_standard_deviations_of_the_differences():
     assert "the net is -0.63 standard deviations of its noise (3 blocks," in md
 
 
+def test_family_robustness_counts_the_misses_under_the_bar_that_the_trace_tells_apart_from_chance():
+    from benchmarks.family_robustness import markdown, summary
+
+    def row(trace, ratio, **noise):
+        rates = {"infinite": 0.5, "lru": 0.2, "s3fifo": 0.1, "adaptive": 0.2 * ratio}
+        return {
+            "trace": trace,
+            "family": "scan",
+            "capacity": 1000,
+            "in_scope": True,
+            "unreachable": 0,
+            "ratio": ratio,
+            "to_infinite": 0.4 * ratio,
+            "lru_holds": False,
+            **rates,
+            **noise,
+        }
+
+    rows = [
+        row(
+            "scan#1", 0.95, baseline="lru", net_blocks=-40, net_deviations=-2.5
+        ),  # a rule could have avoided it
+        row("scan#2", 0.965, baseline="lru", net_blocks=-12, net_deviations=-0.08),  # a coin flip
+        row("scan#3", 0.99),
+    ]
+    s = summary(rows)
+    assert (s["below_bar"], s["below_bar_beyond_noise"]) == (2, 1)
+    record = {
+        "summary": s,
+        "policy": "adaptive",
+        "git_commit": "c",
+        "date": "d",
+        "seeds": 1,
+        "first_seed": 0,
+        "mooncake_seeds": 0,
+        "capacities": (1000,),
+        "rows": rows,
+    }
+    md = markdown(record)
+    assert "below 0.97: 2 of 3, of which 1 by more than 2 deviations" in md
+    assert "| 0.950 | -40 (-2.50) |" in md and "| 0.965 | -12 (-0.08) |" in md and "| 0.990 |  |" in md
+
+
 def test_replay_diff_records_each_switch_of_the_configuration_the_default_follows():
     from types import SimpleNamespace
 
