@@ -312,12 +312,21 @@ MUTATIONS = [
     ),
     Mutation(
         "default-no-s3fifo-shares-configuration",
-        "ARC's segments with S3FIFO's shares are only the rules the cache runs while it follows S3FIFO, not a "
-        "configuration with keys of its own",
+        "S3FIFO's shares are only the rules the cache runs while it follows S3FIFO, not a configuration with "
+        "keys of its own",
         "minivllm/cache/eviction.py",
-        "    (0.1, False, False, 1.0),\n    (0.1, False, False, 1.0),  # S3FIFO's own keys",
-        "    (0.1, False, False, 1.0),  # S3FIFO's own keys",
+        "    (0.1, True, False, 0.5),\n    (0.1, False, False, 1.0),  # S3FIFO's keys",
+        "    (0.1, False, False, 1.0),  # S3FIFO's keys",
         ("tests/test_policy_robustness.py", "-k", "hot_prompts"),
+    ),
+    Mutation(
+        "default-s3fifo-shares-by-recency",
+        "the configuration with S3FIFO's shares orders its frequent pages by recency, with a memory of one "
+        "capacity (as it first did)",
+        "minivllm/cache/eviction.py",
+        "    (0.1, True, False, 0.5),\n",
+        "    (0.1, False, False, 1.0),\n",
+        ("tests/test_policy_robustness.py", "-k", "scan_it_must_keep"),
     ),
     Mutation(
         "default-no-s3fifo-shadow",

@@ -17,7 +17,7 @@ from benchmarks.adversarial_traces import (
     windows,
 )
 from benchmarks.trace_families import draw, forest, revisits
-from minivllm.cache.eviction import CONFIGURATIONS, Adaptive, Segmented
+from minivllm.cache.eviction import CONFIGURATIONS, FollowedS3FIFO, Segmented
 from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import load_trace, replay, replay_cache
 
@@ -136,17 +136,16 @@ def test_a_lead_of_a_block_right_after_the_pool_fills_does_not_switch_the_defaul
     assert replay(trace, DEFAULT_EVICTION, 1000).token_hit_rate >= 0.97 * arc
 
 
-def test_following_s3fifo_the_default_gives_up_what_lies_under_a_page_s3fifo_gave_up():
-    """Zipf prompts at 1k blocks (a drawn case of benchmarks/family_robustness.py): S3FIFO leads and the
-    cache follows it. S3FIFO gives up a prompt's first pages first; the cache, which can give a prompt up
-    only from its end, gave up other prompts' ends instead while it kept the pages under them (0.954x
-    S3FIFO)."""
+def test_following_s3fifo_the_cache_gives_up_what_lies_under_a_page_s3fifo_gave_up():
+    """Zipf prompts at 1k blocks (a drawn case of benchmarks/family_robustness.py). S3FIFO gives up a
+    prompt's first pages first; a cache holding S3FIFO's keys, which can give a prompt up only from its end,
+    gave up other prompts' ends instead while it kept the pages under them (the default following S3FIFO:
+    0.954x S3FIFO; the followed shadow alone 0.995x, 1.049x giving up what lies under)."""
     trace = draw("zipf", 98).requests()
-    policy = Adaptive(1000)
-    ours = replay_cache(trace, policy, "adaptive").token_hit_rate
-    assert policy.mode == len(CONFIGURATIONS) - 1  # it follows S3FIFO
-    best = max(replay(trace, p, 1000).token_hit_rate for p in ("lru", "s3fifo"))
-    assert ours >= 0.97 * best
+    s3fifo = replay(trace, "s3fifo", 1000).token_hit_rate
+    assert replay_cache(trace, FollowedS3FIFO(1000), "followed").token_hit_rate >= s3fifo
+    best = max(s3fifo, replay(trace, "lru", 1000).token_hit_rate)
+    assert replay(trace, DEFAULT_EVICTION, 1000).token_hit_rate >= 0.97 * best
 
 
 def test_the_default_keeps_hot_prompts_while_long_one_off_prompts_pass():
@@ -156,5 +155,16 @@ def test_the_default_keeps_hot_prompts_while_long_one_off_prompts_pass():
     pages of earlier one-off prompts first (alone: 0.1282 of the tokens against 0.1165). With S3FIFO the
     only expert of its kind the default reached 0.914x the better of LRU and S3FIFO."""
     trace = draw("scan", 233).requests()
+    best = max(replay(trace, p, 1000).token_hit_rate for p in ("lru", "s3fifo"))
+    assert replay(trace, DEFAULT_EVICTION, 1000).token_hit_rate >= 0.97 * best
+
+
+def test_the_default_keeps_the_hot_pages_used_again_soon_while_a_scan_it_must_keep_is_read():
+    """100 popular prompts of 20-80 blocks beside one-off prompts of 50-300 blocks on 60% of the requests,
+    at 1k blocks (a drawn case of benchmarks/family_robustness.py). The pages of the prompt being read stay;
+    the hot pages given up for them decide the hits. ARC's recency with S3FIFO's shares and a memory of one
+    capacity, the best configuration alone before, reached 0.966x the better of LRU and S3FIFO, the default
+    0.940x; frequency with half a capacity of memory alone 0.987x."""
+    trace = draw("scan", 538).requests()
     best = max(replay(trace, p, 1000).token_hit_rate for p in ("lru", "s3fifo"))
     assert replay(trace, DEFAULT_EVICTION, 1000).token_hit_rate >= 0.97 * best
