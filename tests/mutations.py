@@ -317,7 +317,7 @@ MUTATIONS = [
         "minivllm/cache/eviction.py",
         "    (0.1, True, False, 0.5),\n    (0.1, False, False, 1.0),  # S3FIFO's keys",
         "    (0.1, False, False, 1.0),  # S3FIFO's keys",
-        ("tests/test_policy_robustness.py", "-k", "hot_prompts"),
+        ("tests/test_policy_robustness.py", "-k", "hot_prompts or scan_it_must_keep"),
     ),
     Mutation(
         "default-s3fifo-shares-by-recency",
