@@ -140,7 +140,7 @@ def test_following_s3fifo_the_cache_gives_up_what_lies_under_a_page_s3fifo_gave_
     """Zipf prompts at 1k blocks (a drawn case of benchmarks/family_robustness.py). S3FIFO gives up a
     prompt's first pages first; a cache holding S3FIFO's keys, which can give a prompt up only from its end,
     gave up other prompts' ends instead while it kept the pages under them (the default following S3FIFO:
-    0.954x S3FIFO; the followed shadow alone 0.995x, 1.049x giving up what lies under)."""
+    0.954x S3FIFO; the followed shadow alone 0.995x, and 1.049x once it gives up what lies under)."""
     trace = draw("zipf", 98).requests()
     s3fifo = replay(trace, "s3fifo", 1000).token_hit_rate
     assert replay_cache(trace, FollowedS3FIFO(1000), "followed").token_hit_rate >= s3fifo

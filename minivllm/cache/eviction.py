@@ -688,8 +688,8 @@ class Segmented(EvictionPolicy):
 #   half a capacity 0.988x, 0.991x, 1.015x; frequency with one capacity 0.961x, 0.974x, 0.980x). In the
 #   default, on the 44 hardest drawn cases, 3 fall below 0.97x where 5 did (scan#538 0.940x -> 0.998x,
 #   scan#426 0.961x -> 0.998x, scan#473 0.968x -> 1.030x, revisits#102 at 3k 0.969x -> 0.988x; revisits#181
-#   at 3k 0.971x -> 0.968x, scan#246 0.984x -> 0.969x); with a memory of 3/8 or 3/4 capacity, 4 and 6 of
-#   the 17 cases it moved fell below.
+#   at 3k 0.971x -> 0.968x, scan#246 0.984x -> 0.969x); of the 17 cases it moved, 2 fell below with this
+#   memory, 3 with 3/8 capacity and 5 with 3/4.
 # - S3FIFO itself, as the cache would run it (FollowedS3FIFO, the last): S3FIFO decides the keys, and ARC's
 #   segments with S3FIFO's shares and a memory of one capacity (S3FIFO's ghost queue) hold them. These
 #   rules were added beside S3FIFO run pinned, which gave up hot keys while a long prompt was read where
