@@ -237,6 +237,14 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py",),
     ),
     Mutation(
+        "default-keeps-for-every-new-runner-up",
+        "the default's cache keeps keys for each new runner-up at once, however little it leads the old one by",
+        "minivllm/cache/eviction.py",
+        "            if lead <= self.Z_RUNNER * self._lead_noise(runner, kept_for):\n",
+        "            if False:\n",
+        ("tests/test_adaptive_eviction.py",),
+    ),
+    Mutation(
         "default-keeps-what-the-runner-up-gave-up",
         "the default's cache keeps a key for the runner-up after the runner-up gave it up too",
         "minivllm/cache/eviction.py",

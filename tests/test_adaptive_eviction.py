@@ -584,3 +584,28 @@ def test_the_cache_keeps_for_a_runner_up_at_the_bound_the_keys_the_leader_gave_u
     assert evicted == ["k600"]
     policy.shadows[1].gives_up["f"] = ["k500"]
     assert request(policy, ["f"]) == ["k500"]
+
+
+@pytest.mark.parametrize(("deviations", "keeps_for"), [(0.5, 1), (1.5, 2)])
+def test_a_new_runner_up_takes_the_keeping_over_once_past_the_noise(deviations, keeps_for):
+    """At the start the cache keeps keys for the runner-up (1). Another configuration (2) that passes it by
+    less than Z_RUNNER deviations of their noise leaves the keeping to 1: the cache keeps the key the leader
+    gives up (k500) in place of one 1 gave up (k600). Passing it by more, 2 takes the keeping over, and the
+    cache gives up a key 2 gave up (k700) instead."""
+    assert 0.5 < Adaptive.Z_RUNNER < 1.5
+    policy = Adaptive(1000)
+    policy.shadows = [Scripted() for _ in CONFIGURATIONS]
+    for i in range(1000):  # the pool fills; no shadow has given up a key: the start
+        request(policy, [f"k{i}"])
+    policy.scores[:3] = [50.0, 40.0, 39.0]  # the leader (0) is in use, 1 is the runner-up, 2 close behind
+    for pair in ((0, 1), (0, 2)):
+        policy._noise[pair] = 10.0**2  # past KEEP_NOISE: each pair served requests differently
+    policy._noise[1, 2] = 4.0**2
+    request(policy, ["a"])
+    assert policy._runner == 1
+    policy.scores[2] = policy.scores[1] + deviations * 4.0
+    policy.shadows[0].gives_up["e"] = ["k500"]
+    policy.shadows[1].gives_up["e"] = ["k600"]
+    policy.shadows[2].gives_up["e"] = ["k700"]
+    assert request(policy, ["e"]) == [f"k{500 + 100 * keeps_for}"]
+    assert policy._runner == keeps_for and policy.mode == 0
