@@ -798,19 +798,18 @@ class Adaptive(EvictionPolicy):
     of keys, needs ``Z_AT_BOUND`` deviations only, on a lead of ``LEAD_SHARE`` of the pool: no
     configuration can do better than it.
 
-    A runner-up at the bound: while the configuration with the most hits other than the one in use is at
-    the bound too, and the two have differed by ``KEEP_NOISE``, the cache keeps each key the leader gives
-    up that the runner-up holds, in place of a key the runner-up gave up at the same access and the leader
-    holds. It keeps it until the runner-up gives it up too, another configuration leads the runner-up by
-    ``Z_RUNNER`` deviations (and becomes the one it keeps for), or the runner-up leaves the bound. Where
-    LRU holds the working set of popular prompts beside one-off prompts that return, its lead over ARC
-    stays within the noise until the prompts ARC gave up come back, and a cache that followed ARC key for
-    key has given them up too (revisits#184 at 10k blocks, 3,000
-    requests: 363 blocks before the switch to the LRU configuration at request 2,126, 0.978 of the
-    infinite cache; 0.987 keeping them). At most one key is kept per key given up, so the cache stays
-    between the two shadows. At the start, the first ``START_KEEP`` capacities after the pool fills and
-    before the first switch, the cache keeps keys for the runner-up wherever it stands: a first leader
-    that loses its lead then leaves fewer keys to fetch.
+    A runner-up at the bound: while the configuration with the most hits other than the one in use is at the
+    bound too, and the two have differed by ``KEEP_NOISE``, the cache keeps each key the leader gives up that
+    the runner-up holds, in place of a key the runner-up gave up at the same access and the leader holds. It
+    keeps it until the runner-up gives it up too, another configuration leads the runner-up by ``Z_RUNNER``
+    deviations (and becomes the one it keeps for), or the runner-up leaves the bound. Where LRU holds the
+    working set of popular prompts beside one-off prompts that return, its lead over ARC stays within the
+    noise until the prompts ARC gave up come back, and a cache that followed ARC key for key has given them up
+    too (revisits#184 at 10k blocks, 3,000 requests: 363 blocks before the switch to the LRU configuration at
+    request 2,126, 0.978 of the infinite cache; 0.987 keeping them). At most one key is kept per key given up,
+    so the cache stays between the two shadows. At the start, the first ``START_KEEP`` capacities after the
+    pool fills and before the first switch, the cache keeps keys for the runner-up wherever it stands: a first
+    leader that loses its lead then leaves fewer keys to fetch.
     """
 
     # Accesses the scores remember, in capacities. A longer window holds more hits where every configuration
