@@ -13,9 +13,11 @@ finding it.
 TRACE is a JSON-lines trace or a drawn one, FAMILY#SEED (benchmarks/trace_families.py).
 Writes benchmarks/results/replay_alone-<trace>-<capacity>.md. With --span N it adds each policy's hits, in
 blocks, per span of N requests: where in the trace the default loses (a late switch, a costly one, a
-streak it followed).
+streak it followed). With --around it adds the default and the baselines at capacities 2% and 4% either
+side (benchmarks/replay_sensitivity.py's factors): a shortfall that comes and goes with a pool a few
+percent larger or smaller is one prompt held or not, not a property of the policy.
 
-    python -m benchmarks.replay_alone TRACE --capacity 1000 [--span 100]
+    python -m benchmarks.replay_alone TRACE --capacity 1000 [--span 100] [--around]
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.replay_diff import Switch, load, recording_switches, write_result
+from benchmarks.replay_sensitivity import FACTORS
 from benchmarks.replay_sweep import REPO, git_commit, machine
 from minivllm.cache.eviction import CONFIGURATION_NAMES, CONFIGURATIONS, FollowedS3FIFO, Segmented
-from minivllm.replay import DEFAULT, TraceRequest, make_cache, prefix_hits, replay_cache, resolve_policy
+from minivllm.replay import (
+    DEFAULT,
+    TraceRequest,
+    make_cache,
+    prefix_hits,
+    replay,
+    replay_cache,
+    resolve_policy,
+)
 
 BAR = 0.97  # the robustness bar: the default's hits over max(LRU, S3FIFO)
 FOLLOWED = "S3FIFO as the cache follows it"
@@ -80,6 +91,37 @@ def span_table(blocks: dict[str, list[int]], span: int) -> list[str]:
     return lines
 
 
+def around(requests: Sequence[TraceRequest], capacity: int) -> list[dict]:
+    """The default and the baselines at each of FACTORS times the capacity; the ratio is None where neither
+    baseline hits (no bar to fall under)."""
+    rows = []
+    for factor in FACTORS:
+        size = round(capacity * factor)
+        rates = {p: replay(requests, p, size).token_hit_rate for p in ("lru", "s3fifo", DEFAULT)}
+        base = max(rates["lru"], rates["s3fifo"])
+        rows.append({"capacity": size, **rates, "ratio": rates[DEFAULT] / base if base else None})
+    return rows
+
+
+def around_table(rows: list[dict]) -> list[str]:
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    spread = f"{min(ratios):.3f}x to {max(ratios):.3f}x max(LRU, S3FIFO), " if ratios else ""
+    return [
+        f"The default at capacities {rows[0]['capacity']}-{rows[-1]['capacity']} (x{FACTORS[0]:g} to "
+        f"x{FACTORS[-1]:g}): {spread}{sum(r < BAR for r in ratios)} of {len(rows)} below the bar "
+        "(-: neither baseline hits):",
+        "",
+        f"| capacity | lru | s3fifo | {DEFAULT} | / max(LRU, S3FIFO) |",
+        "|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['capacity']} | {r['lru']:.4f} | {r['s3fifo']:.4f} | {r[DEFAULT]:.4f} | "
+            + ("-" if r["ratio"] is None else f"{r['ratio']:.3f}")
+            + " |"
+            for r in rows
+        ),
+    ]
+
+
 def markdown(
     trace: str,
     capacity: int,
@@ -87,6 +129,7 @@ def markdown(
     switches: list[Switch],
     blocks: dict[str, list[int]] | None = None,
     span: int = 0,
+    near: list[dict] | None = None,
 ) -> str:
     base = max(rates["lru"], rates["s3fifo"])
     ratio = {p: r / base if base else 0.0 for p, r in rates.items()}
@@ -117,6 +160,8 @@ def markdown(
     ]
     if blocks and span:
         lines += ["", *span_table(blocks, span)]
+    if near:
+        lines += ["", *around_table(near)]
     return "\n".join(lines) + "\n"
 
 
@@ -126,13 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, required=True, help="cache capacity in blocks")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--span", type=int, default=0, help="also give block hits per span of this many requests")
+    p.add_argument(
+        "--around",
+        action="store_true",
+        help="also replay the default and the baselines 2%% and 4%% either side of the capacity",
+    )
     args = p.parse_args(argv)
     if args.span < 0:
         p.error(f"--span must be >= 0, got {args.span}")
     switches: list[Switch] = []
     blocks: dict[str, list[int]] = {}
-    rates = hit_rates(load(args.trace), args.capacity, switches, blocks)
-    md = markdown(args.trace, args.capacity, rates, switches, blocks, args.span)
+    requests = load(args.trace)
+    rates = hit_rates(requests, args.capacity, switches, blocks)
+    near = around(requests, args.capacity) if args.around else None
+    md = markdown(args.trace, args.capacity, rates, switches, blocks, args.span, near)
     write_result(args.out_dir, "replay_alone", args.trace, args.capacity, md)
     return 0
 

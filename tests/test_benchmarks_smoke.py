@@ -478,7 +478,7 @@ def test_replay_alone_replays_each_configuration_beside_the_baselines(tmp_path):
         "default",
     ]
     assert rows[0] == "| lru | 0.4000 | 1.000 |" and rows[1] == "| s3fifo | 0.2000 | 0.500 |"
-    assert "Block hits per" not in md  # the spans only where asked
+    assert "Block hits per" not in md and "The default at capacities" not in md  # only where asked
 
 
 def test_replay_alone_gives_each_policys_block_hits_per_span_of_requests(tmp_path):
@@ -498,6 +498,27 @@ def test_replay_alone_gives_each_policys_block_hits_per_span_of_requests(tmp_pat
     assert [c[:3] for c in cells] == [["0", "1", "0"], ["3", "1", "1"], ["all", "2", "1"]]
     with pytest.raises(SystemExit):
         replay_alone.main([str(trace), "--capacity", "2", "--span", "-1", "--out-dir", str(tmp_path)])
+
+
+def test_replay_alone_replays_the_default_and_the_baselines_around_the_capacity(tmp_path):
+    from benchmarks import replay_alone
+
+    # three passes over 100 one-block prompts: LRU thrashes in a pool of 96 or 98 blocks and holds them all
+    # from 100 up (hits on the last two passes, 2/3 of the tokens)
+    lines = [json.dumps({"input_length": 512, "hash_ids": [h]}) for _ in range(3) for h in range(100)]
+    trace = tmp_path / "loop.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert replay_alone.main([str(trace), "--capacity", "100", "--around", "--out-dir", str(tmp_path)]) == 0
+    md = (tmp_path / "replay_alone-loop-100.md").read_text()
+    intro, _, _, _, *rows = md.split("The default at capacities ")[1].strip().splitlines()
+    assert intro.startswith(
+        "96-104 (x0.96 to x1.04): 1.000x to 1.000x max(LRU, S3FIFO), 0 of 5 below the bar"
+    )
+    cells = [row.strip("| ").split(" | ") for row in rows]
+    assert [c[0] for c in cells] == ["96", "98", "100", "102", "104"]
+    assert [c[1] for c in cells] == ["0.0000", "0.0000", "0.6667", "0.6667", "0.6667"]
+    # where neither baseline hits there is no bar, whatever the default hits
+    assert [c[4] for c in cells] == ["-", "-", "1.000", "1.000", "1.000"]
 
 
 def test_replay_alone_says_whether_any_configuration_reaches_the_bar():
