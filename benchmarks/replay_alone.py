@@ -91,13 +91,17 @@ def span_table(blocks: dict[str, list[int]], span: int) -> list[str]:
     return lines
 
 
-def around(requests: Sequence[TraceRequest], capacity: int) -> list[dict]:
-    """The default and the baselines at each of FACTORS times the capacity; the ratio is None where neither
-    baseline hits (no bar to fall under)."""
+def around(requests: Sequence[TraceRequest], capacity: int, at_capacity: dict[str, float]) -> list[dict]:
+    """The default and the baselines at each of FACTORS times the capacity (at the capacity itself, their rates
+    in at_capacity, from hit_rates); the ratio is None where neither baseline hits (no bar to fall under)."""
     rows = []
     for factor in FACTORS:
         size = round(capacity * factor)
-        rates = {p: replay(requests, p, size).token_hit_rate for p in ("lru", "s3fifo", DEFAULT)}
+        policies = ("lru", "s3fifo", DEFAULT)
+        if size == capacity:  # replayed already, beside the configurations
+            rates = {p: at_capacity[p] for p in policies}
+        else:
+            rates = {p: replay(requests, p, size).token_hit_rate for p in policies}
         base = max(rates["lru"], rates["s3fifo"])
         rows.append({"capacity": size, **rates, "ratio": rates[DEFAULT] / base if base else None})
     return rows
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks: dict[str, list[int]] = {}
     requests = load(args.trace)
     rates = hit_rates(requests, args.capacity, switches, blocks)
-    near = around(requests, args.capacity) if args.around else None
+    near = around(requests, args.capacity, rates) if args.around else None
     md = markdown(args.trace, args.capacity, rates, switches, blocks, args.span, near)
     write_result(args.out_dir, "replay_alone", args.trace, args.capacity, md)
     return 0
