@@ -94,10 +94,10 @@ def span_table(blocks: dict[str, list[int]], span: int) -> list[str]:
 def around(requests: Sequence[TraceRequest], capacity: int, at_capacity: dict[str, float]) -> list[dict]:
     """The default and the baselines at each of FACTORS times the capacity (at the capacity itself, their rates
     in at_capacity, from hit_rates); the ratio is None where neither baseline hits (no bar to fall under)."""
+    policies = ("lru", "s3fifo", DEFAULT)
     rows = []
     for factor in FACTORS:
         size = round(capacity * factor)
-        policies = ("lru", "s3fifo", DEFAULT)
         if size == capacity:  # replayed already, beside the configurations
             rates = {p: at_capacity[p] for p in policies}
         else:
