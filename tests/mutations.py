@@ -476,12 +476,31 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py", "-k", "long_window"),
     ),
     Mutation(
+        "default-switches-on-a-short-lead-far-behind-for-long",
+        "the default follows a leader over WINDOW that trails the configuration in use far over LONG_WINDOW "
+        "(scan#246 at 1k blocks: a scan or two S3FIFO happened to hold, 1.043x -> 0.969x max(LRU, S3FIFO))",
+        "minivllm/cache/eviction.py",
+        "            held_back = not at_bound and self._behind_for_long(leader)\n",
+        "            held_back = False\n",
+        ("tests/test_adaptive_eviction.py", "-k", "far_behind"),
+    ),
+    Mutation(
+        "default-holds-back-a-leader-at-the-bound",
+        "the default holds back a leader at the bound that trails the configuration in use over LONG_WINDOW "
+        "(no configuration can beat it: the cache holds the wrong keys)",
+        "minivllm/cache/eviction.py",
+        "            held_back = not at_bound and self._behind_for_long(leader)\n",
+        "            held_back = self._behind_for_long(leader)\n",
+        ("tests/test_adaptive_eviction.py", "-k", "far_behind"),
+    ),
+    Mutation(
         "default-waits-for-a-share-of-the-window",
         "the default policy switches only once the lead also passes 1.5% of its window (on forests that fill "
         "the cache late, the LRU configuration's lead passed its noise long before and the trace ended first)",
         "minivllm/cache/eviction.py",
-        "            if lead > z * self._lead_noise(leader, self.mode):\n",
-        "            if lead > max(z * self._lead_noise(leader, self.mode), 0.015 * self.WINDOW * self.capacity):\n",
+        "            if lead > z * self._lead_noise(leader, self.mode) and not held_back:\n",
+        "            if lead > max(z * self._lead_noise(leader, self.mode), 0.015 * self.WINDOW * self.capacity)"
+        " and not held_back:\n",
         ("tests/test_adaptive_eviction.py", "-k", "deviations_alone"),
     ),
     Mutation(

@@ -517,6 +517,26 @@ def test_a_lead_over_the_long_window_switches_the_cache(deviations, ahead_lately
     assert policy.mode == (1 if switches else 0)
 
 
+@pytest.mark.parametrize(
+    ("long_lag", "at_bound", "switches"),
+    [(2.5, False, False), (1.5, False, True), (2.5, True, True)],
+)
+def test_a_short_lead_far_behind_over_the_long_window_does_not_switch_the_cache(long_lag, at_bound, switches):
+    """A leader over WINDOW by Z deviations that trails the configuration in use over LONG_WINDOW by more
+    than Z_LONG_GUARD deviations of the long noise waits (a scan or two it happened to hold, against the
+    hits of hundreds of requests); within them it switches the cache, and so does a leader at the bound."""
+    assert Adaptive.Z < 2.5 < Adaptive.Z_BACK and Adaptive.Z_AT_BOUND < 2.5
+    assert 1.5 < Adaptive.Z_LONG_GUARD < 2.5
+    policy = Adaptive(100)
+    policy.scores[1] = 50.0  # configuration 1 leads the one in use (0) over WINDOW by 2.5 deviations
+    policy._noise[0, 1] = (50.0 / 2.5) ** 2
+    policy.long_scores[0] = 500.0  # ... and trails it over LONG_WINDOW
+    policy._long_noise[0, 1] = (500.0 / long_lag) ** 2
+    policy.bound = 50.0 if at_bound else 1000.0
+    request(policy, ["new"])  # no shadow hits it: the leads, their noise and the bound decay alike
+    assert policy.mode == (1 if switches else 0)
+
+
 class Scripted:
     """A shadow that admits every key and gives up, at a key's access, the keys its script names."""
 
