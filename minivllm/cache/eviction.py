@@ -1030,8 +1030,12 @@ class Adaptive(EvictionPolicy):
     def _behind_for_long(self, i: int) -> bool:
         """Whether configuration i trails the one in use over LONG_WINDOW by more than Z_LONG_GUARD
         deviations of the long noise."""
-        lag = self.long_scores[self.mode] - self.long_scores[i]
-        return lag > self.Z_LONG_GUARD * self._lead_noise(i, self.mode, self._long_noise)
+        return self._long_lead_past(self.mode, i, self.Z_LONG_GUARD)
+
+    def _long_lead_past(self, i: int, j: int, z: float) -> bool:
+        """Whether configuration i leads j over LONG_WINDOW by more than z deviations of the long noise."""
+        lead = self.long_scores[i] - self.long_scores[j]
+        return lead > z * self._lead_noise(i, j, self._long_noise)
 
     def _long_leader_past_the_noise(self) -> int | None:
         """The configuration with the most hits over LONG_WINDOW, if it is not the one in use, is not behind
@@ -1039,9 +1043,8 @@ class Adaptive(EvictionPolicy):
         leader = max(range(len(self.long_scores)), key=self.long_scores.__getitem__)
         if leader == self.mode or self.scores[leader] < self.scores[self.mode]:
             return None
-        lead = self.long_scores[leader] - self.long_scores[self.mode]
         z = self.Z_BACK if self._left_lately(leader) else self.Z_LONG
-        return leader if lead > z * self._lead_noise(leader, self.mode, self._long_noise) else None
+        return leader if self._long_lead_past(leader, self.mode, z) else None
 
     def _runner_up_to_keep_for(self) -> int | None:
         """The configuration with the most hits other than the one in use (or the runner-up the cache keeps
