@@ -435,8 +435,8 @@ MUTATIONS = [
         "the default policy switches configuration on a lead above a fixed share of its window however noisy "
         "(a single long prompt one shadow happens to hold: 17 switches on the synthetic trace's last third)",
         "minivllm/cache/eviction.py",
-        "            if lead > z * self._lead_noise(leader, self.mode) and not held_back:\n",
-        "            if lead > 0.01 * self.WINDOW * self.capacity and not held_back:\n",
+        "            past_the_noise = lead >= self.MIN_LEAD and lead > z * self._lead_noise(leader, self.mode)\n",
+        "            past_the_noise = lead > 0.01 * self.WINDOW * self.capacity\n",
         ("tests/test_policy_robustness.py", "-k", "third"),
     ),
     Mutation(
@@ -494,13 +494,22 @@ MUTATIONS = [
         ("tests/test_adaptive_eviction.py", "-k", "far_behind"),
     ),
     Mutation(
+        "default-switches-on-a-residue",
+        "the default switches on a lead of a fraction of a block past its noise (two shadows that have hit "
+        "alike for 100,000 accesses keep the deviations of the last request they told apart)",
+        "minivllm/cache/eviction.py",
+        "            past_the_noise = lead >= self.MIN_LEAD and lead > z * self._lead_noise(leader, self.mode)\n",
+        "            past_the_noise = lead > z * self._lead_noise(leader, self.mode)\n",
+        ("tests/test_adaptive_eviction.py", "-k", "residue"),
+    ),
+    Mutation(
         "default-waits-for-a-share-of-the-window",
         "the default policy switches only once the lead also passes 1.5% of its window (on forests that fill "
         "the cache late, the LRU configuration's lead passed its noise long before and the trace ended first)",
         "minivllm/cache/eviction.py",
-        "            if lead > z * self._lead_noise(leader, self.mode) and not held_back:\n",
-        "            if lead > max(z * self._lead_noise(leader, self.mode), 0.015 * self.WINDOW * self.capacity)"
-        " and not held_back:\n",
+        "            past_the_noise = lead >= self.MIN_LEAD and lead > z * self._lead_noise(leader, self.mode)\n",
+        "            past_the_noise = lead > max(z * self._lead_noise(leader, self.mode), 0.015 * self.WINDOW"
+        " * self.capacity)\n",
         ("tests/test_adaptive_eviction.py", "-k", "deviations_alone"),
     ),
     Mutation(

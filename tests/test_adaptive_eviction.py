@@ -489,6 +489,20 @@ def test_a_lead_switches_the_cache_on_its_deviations_alone(deviations, lead, at_
     assert policy.mode == (1 if switches else 0)
 
 
+@pytest.mark.parametrize(("lead", "switches"), [(1e-12, False), (0.5, False), (1.5, True)])
+def test_a_residue_of_a_lead_does_not_switch_the_cache_however_many_deviations(lead, switches):
+    """A lead and its noise decay alike, so two shadows that have hit alike for a long time keep the
+    deviations of the last request they told apart on a lead of a fraction of a block: the cache needs
+    MIN_LEAD blocks of lead past the noise, off the bound as at it."""
+    assert Adaptive.MIN_LEAD == 1.0
+    policy = Adaptive(100)
+    policy.scores[1] = lead  # configuration 1 leads the one in use (0) by 3 deviations of its noise
+    policy._noise[0, 1] = (lead / 3.0) ** 2
+    policy.bound = 1000.0  # far from the bound: Z_AT_BOUND plays no part
+    request(policy, ["new"])  # no shadow hits it: the lead and its noise decay alike
+    assert policy.mode == (1 if switches else 0)
+
+
 @pytest.mark.parametrize(
     ("deviations", "ahead_lately", "left_lately", "switches"),
     [

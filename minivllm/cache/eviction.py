@@ -892,6 +892,12 @@ class Adaptive(EvictionPolicy):
     BOUND_SHARE = 0.005
     Z_AT_BOUND = 1.0
     LEAD_SHARE = 0.002
+    # The least lead, in blocks, on which the cache switches, off the bound too. A lead and its noise decay
+    # alike (the noise as a variance, by the square), so their ratio outlives both: two shadows that hit
+    # alike for 100,000 accesses keep the deviations of the last request they told apart, on a lead of
+    # 1e-12 blocks (revisits#778 at 1k blocks switched to S3FIFO on such a residue; 2 of the 40 revisits
+    # draws from seed 740 at 1k did).
+    MIN_LEAD = 1.0
     # The bound's memory, in capacities of distinct keys: four times the scores' window. At 5 the reuse of
     # long scans fell out of it, every configuration looked at the bound and the cache followed noise
     # (scan#58 at 1k blocks: 0.906x max(LRU, S3FIFO); 0.979x from 16 up).
@@ -948,7 +954,7 @@ class Adaptive(EvictionPolicy):
         self._seen = LRU(self.HORIZON * capacity)  # the last HORIZON capacities of distinct keys
         self.bound = 0.0  # the decayed hits of a cache that held every key in _seen
         self._bound_hitting = True
-        self._bound_lead = max(1.0, self.LEAD_SHARE * capacity)  # blocks
+        self._bound_lead = max(self.MIN_LEAD, self.LEAD_SHARE * capacity)  # blocks
         self._accesses = 0
         self._filled_at: int | None = None  # the access at which a shadow first gave up a key
         self._left: dict[int, int] = {}  # configuration -> the access at which the cache last left it
@@ -1014,8 +1020,8 @@ class Adaptive(EvictionPolicy):
 
     def _leader_past_the_noise(self) -> int | None:
         """The configuration with the most hits, if it is not the one in use and its lead passes the test:
-        Z deviations of its noise, Z_BACK to go back to a configuration left lately, Z_AT_BOUND at the bound,
-        and, off the bound, not behind over LONG_WINDOW for long; else the leader over LONG_WINDOW, if it
+        Z deviations of its noise (and MIN_LEAD blocks), Z_BACK to go back to a configuration left lately,
+        Z_AT_BOUND at the bound, and, off the bound, not behind over LONG_WINDOW for long; else the leader over LONG_WINDOW, if it
         passes the test there (``_long_leader_past_the_noise``)."""
         leader = max(range(len(self.scores)), key=self.scores.__getitem__)
         if leader != self.mode:
@@ -1023,7 +1029,8 @@ class Adaptive(EvictionPolicy):
             at_bound = self._at_bound(leader) and lead >= self._bound_lead
             z = self.Z_AT_BOUND if at_bound else self.Z_BACK if self._left_lately(leader) else self.Z
             held_back = not at_bound and self._behind_for_long(leader)
-            if lead > z * self._lead_noise(leader, self.mode) and not held_back:
+            past_the_noise = lead >= self.MIN_LEAD and lead > z * self._lead_noise(leader, self.mode)
+            if past_the_noise and not held_back:
                 return leader
         return self._long_leader_past_the_noise()
 
