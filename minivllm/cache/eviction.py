@@ -896,7 +896,7 @@ class Adaptive(EvictionPolicy):
     # alike (the noise as a variance, by the square), so their ratio outlives both: two shadows that hit
     # alike for 100,000 accesses keep the deviations of the last request they told apart, on a lead of
     # 1e-12 blocks (revisits#778 at 1k blocks switched to S3FIFO on such a residue; 2 of the 40 revisits
-    # draws from seed 740 at 1k did).
+    # draws from seed 740 at 1k did). Such a switch gains nothing and gives up the keys the new leader lacks.
     MIN_LEAD = 1.0
     # The bound's memory, in capacities of distinct keys: four times the scores' window. At 5 the reuse of
     # long scans fell out of it, every configuration looked at the bound and the cache followed noise
@@ -1021,8 +1021,8 @@ class Adaptive(EvictionPolicy):
     def _leader_past_the_noise(self) -> int | None:
         """The configuration with the most hits, if it is not the one in use and its lead passes the test:
         Z deviations of its noise (and MIN_LEAD blocks), Z_BACK to go back to a configuration left lately,
-        Z_AT_BOUND at the bound, and, off the bound, not behind over LONG_WINDOW for long; else the leader over LONG_WINDOW, if it
-        passes the test there (``_long_leader_past_the_noise``)."""
+        Z_AT_BOUND at the bound, and, off the bound, not behind over LONG_WINDOW for long; else the leader
+        over LONG_WINDOW, if it passes the test there (``_long_leader_past_the_noise``)."""
         leader = max(range(len(self.scores)), key=self.scores.__getitem__)
         if leader != self.mode:
             lead = self.scores[leader] - self.scores[self.mode]
