@@ -844,12 +844,12 @@ class Adaptive(EvictionPolicy):
     # trace at 1k blocks 0.0920, down from 0.0973 to its floor). The window is long because the bad returns
     # came 30-40 capacities after the cache left (at 32, revisits#82 at 3k blocks went back once the window
     # had passed, 0.973x -> 0.964x; at 64, scan#36 at 1k 0.983x -> 0.966x; from 128 up, as with no limit:
-    # 0.974x). It is not longer because traffic that changes comes back to a configuration later than that:
-    # agent sessions at 1k blocks went back 140-200 capacities after leaving, and paid (agent#18: 1.016x
-    # max(LRU, S3FIFO), 0.995x with no limit or at 256; with no limit 10 of the 11 replays it changed in the
-    # family benchmark's forest, conversation, agent and first scan draws fell). Where the traffic keeps its
-    # shape, a return after the window can still follow a streak as it ends (revisits#778 at 1k blocks,
-    # 0.967x; 0.994x with no limit). A leader at the bound needs Z_AT_BOUND all the same.
+    # 0.974x). It is not longer because traffic that changes can come back to a configuration later than
+    # that: agent#18 at 1k blocks went back 200 and 143 capacities after leaving, and both returns paid
+    # (1.016x max(LRU, S3FIFO); 0.995x with no limit or at 256). With no limit 10 of the 11 replays it changed
+    # in the family benchmark's forest, conversation, agent and first scan draws fell, 7 of them agents'.
+    # Where the traffic keeps its shape, a return after the window can still follow a streak as it ends
+    # (revisits#778 at 1k blocks, 0.967x; 0.994x with no limit). A leader at the bound needs Z_AT_BOUND all the same.
     Z_BACK = 3.0
     BACK_WINDOW = 128
     # The same test over LONG_WINDOW capacities: where few requests tell two configurations apart, a lead
