@@ -14,6 +14,7 @@ the trace cannot tell from chance. The bar stays the bar; this says which misses
 Writes benchmarks/results/family_robustness.{json,md}.
 
     python -m benchmarks.family_robustness [--seeds 40] [--mooncake-seeds 8] [--workers 2]
+    python -m benchmarks.family_robustness --wide --name family_robustness-wide   # the wide ranges
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from benchmarks.replay_diff import differences, net_and_noise
 from benchmarks.replay_sweep import REPO, git_commit, machine
-from benchmarks.trace_families import FAMILIES, Drawn, draw, mooncake_present
+from benchmarks.trace_families import FAMILIES, WIDE_PARAMS, Drawn, draw, mooncake_present
 from minivllm.config import DEFAULT_EVICTION
 from minivllm.replay import replay
 
@@ -114,12 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--name", default="family_robustness", help="results file name (without extension)")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="forests, conversations and agents from the wide ranges of parameters",
+    )
     args = p.parse_args(argv)
     capacities = tuple(int(c) for c in args.capacities.split(","))
     drawn = []
-    for family in FAMILIES:
+    for family in WIDE_PARAMS if args.wide else FAMILIES:
         n = args.seeds if family != "mooncake" else args.mooncake_seeds * mooncake_present()
-        drawn += [draw(family, seed) for seed in range(args.first_seed, args.first_seed + n)]
+        drawn += [draw(family, seed, args.wide) for seed in range(args.first_seed, args.first_seed + n)]
     jobs = [(d, capacities) for d in drawn]
     rows: list[dict] = []
     with ProcessPoolExecutor(args.workers) as pool:
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "policy": DEFAULT_EVICTION,
         "seeds": args.seeds,
-        "mooncake_seeds": args.mooncake_seeds,
+        "mooncake_seeds": 0 if args.wide else args.mooncake_seeds,
+        "wide": args.wide,
         "first_seed": args.first_seed,
         "capacities": capacities,
         "summary": summary(rows),
@@ -148,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(record: dict) -> str:
     s, policy = record["summary"], record["policy"]
     inf = "n/a" if s["worst_to_infinite"] is None else f"{s['worst_to_infinite']:.4f}"
+    wide = "'s wide ranges of parameters" if record.get("wide") else ""
     lines = [
         "# Eviction policy over drawn traces",
         "",
         f"Commit {record['git_commit']}, {record['date']}. {s['traces']} traces drawn from "
-        f"benchmarks/trace_families.py ({record['seeds']} seeds per synthetic family from seed "
+        f"benchmarks/trace_families.py{wide} ({record['seeds']} seeds per synthetic family from seed "
         f"{record['first_seed']}, {record['mooncake_seeds']} Mooncake windows), at "
         f"{', '.join(map(str, record['capacities']))} blocks: {s['cases']} cases.",
         "",

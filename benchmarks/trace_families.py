@@ -21,7 +21,11 @@ traces.
   as frequent and gives up the popular ones.
 - mooncake: a random contiguous window (a quarter to a half) of one of the two Mooncake traces.
 
+``draw(family, seed, wide=True)`` draws forests, conversations and agent sessions from wider ranges of
+parameters (``WIDE_PARAMS``) than the ones the default policy was measured on.
+
     python -m benchmarks.trace_families forest 7 OUT.jsonl   # write one drawn trace
+    python -m benchmarks.trace_families forest 7 OUT.jsonl --wide   # its parameters from the wide ranges
     python -m benchmarks.trace_families forest 101 OUT.jsonl --params '{"live": 50, "n_systems": 6}'
                                                   # the generator's defaults but for the given parameters
 """
@@ -281,6 +285,62 @@ def _mooncake_params(rng: random.Random) -> dict:
     return dict(name=rng.choice(MOONCAKE), share=rng.choice((0.25, 0.33, 0.5)))
 
 
+# --- wide ranges: the shapes of the agent traffic (forests, conversations, agent sessions) with parameters
+# beyond the ranges above, which the default policy's constants were measured on: a few or hundreds of live
+# conversations, system prompts of one to 32 blocks, turns of one to ten blocks, continuations from 1 in 5 to
+# 19 in 20, sessions of one to 128 agents. A check that the property holds past the draw it was tuned on.
+
+
+def _wide_forest_params(rng: random.Random) -> dict:
+    return dict(
+        n_requests=rng.choice((2000, 3000, 6000, 6000, 10000)),
+        n_systems=rng.randint(1, 20),
+        system_blocks=rng.choice(((1, 4), (1, 1), (4, 16), (8, 32))),
+        live=rng.choice((3, 5, 10, 50, 120, 300, 500)),
+        continue_prob=round(rng.uniform(0.2, 0.95), 2),
+        turn_blocks=rng.choice(((1, 1), (1, 3), (2, 6), (4, 10))),
+        continue_partial=rng.random() < 0.6,
+    )
+
+
+def _wide_conversations_params(rng: random.Random) -> dict:
+    common = dict(
+        n_requests=rng.choice((1000, 3000, 6000)),
+        root_blocks=rng.choice((1, 2, 8, 24)),
+        turn_blocks=rng.choice(((1, 1), (1, 4), (3, 10))),
+        fork_prob=round(rng.uniform(0.0, 0.7), 2),
+    )
+    if rng.random() < 0.5:
+        return dict(
+            kind="forest",
+            **common,
+            active=rng.choice((3, 8, 40, 300, 600)),
+            mean_turns=rng.choice((3, 10, 60, 120)),
+            zipf=rng.choice((0.0, 0.5, 1.0, 1.5)),
+        )
+    return dict(
+        kind="recency",
+        **common,
+        new_prob=round(rng.uniform(0.02, 0.5), 2),
+        stay_prob=round(rng.uniform(0.3, 0.97), 2),
+        keep=rng.choice((50, 400, 2000)),
+    )
+
+
+def _wide_agent_params(rng: random.Random) -> dict:
+    return dict(
+        n_requests=rng.choice((1000, 3000, 5000)),
+        n_prompts=rng.randint(1, 30),
+        prompt_blocks=rng.choice(((2, 8), (5, 20), (40, 120), (100, 300))),
+        active=rng.choice((1, 2, 16, 128)),
+        turn_blocks=rng.choice(((1, 2), (1, 8), (4, 16))),
+        mean_turns=rng.choice((4, 15, 80, 200)),
+        scan_prob=rng.choice((0.0, 0.05, 0.3, 0.8)),
+        scan_blocks=rng.choice(((5, 20), (50, 250), (100, 300))),
+        prompt_lifetime=rng.choice((0, 100, 400, 3000)),
+    )
+
+
 GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "forest": forest,
     "conversations": _conversations,
@@ -300,10 +360,18 @@ PARAMS: dict[str, Callable[[random.Random], dict]] = {
     "mooncake": _mooncake_params,
 }
 FAMILIES = tuple(GENERATORS)
+WIDE_PARAMS: dict[str, Callable[[random.Random], dict]] = {
+    "forest": _wide_forest_params,
+    "conversations": _wide_conversations_params,
+    "agent": _wide_agent_params,
+}
 
 
-def draw(family: str, seed: int) -> Drawn:
-    """The trace of `family` that `seed` picks: its parameters are drawn from the same seed."""
+def draw(family: str, seed: int, wide: bool = False) -> Drawn:
+    """The trace of `family` that `seed` picks: its parameters are drawn from the same seed (from the wide
+    ranges with ``wide``)."""
+    if wide:
+        return Drawn(family, seed, WIDE_PARAMS[family](random.Random(f"wide-{family}-{seed}")))
     return Drawn(family, seed, PARAMS[family](random.Random(f"{family}-{seed}")))
 
 
@@ -313,10 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("seed", type=int)
     p.add_argument("out", type=Path)
     p.add_argument("--params", type=json.loads, help="JSON object: these parameters instead of drawn ones")
+    p.add_argument("--wide", action="store_true", help="draw the parameters from the wide ranges")
     args = p.parse_args(argv)
-    drawn = (
-        draw(args.family, args.seed) if args.params is None else Drawn(args.family, args.seed, args.params)
-    )
+    if args.params is not None:
+        drawn = Drawn(args.family, args.seed, args.params)
+    else:
+        drawn = draw(args.family, args.seed, args.wide)
     write_trace(drawn.requests(), args.out)
     print(drawn.name)
 

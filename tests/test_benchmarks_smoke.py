@@ -390,6 +390,21 @@ def test_replay_diff_gives_the_net_in_standard_deviations_of_the_differences():
     assert "the net is -0.63 standard deviations of its noise (3 blocks," in md
 
 
+@pytest.mark.parametrize("family", ["forest", "conversations", "agent"])
+def test_wide_draws_reach_past_the_tuned_ranges_and_draw_the_same_trace_again(family, tmp_path):
+    from benchmarks.trace_families import WIDE_PARAMS, draw, main
+    from minivllm.replay import load_trace
+
+    assert family in WIDE_PARAMS
+    narrow = [draw(family, seed).params for seed in range(40)]
+    wide = [draw(family, seed, wide=True).params for seed in range(40)]
+    beyond = {k for p in wide for k, v in p.items() if all(q.get(k) != v for q in narrow)}
+    assert len(beyond) >= 3  # values the tuned draw never takes, in several parameters
+    main([family, "3", str(tmp_path / "t.jsonl"), "--wide"])  # the generator takes every drawn parameter
+    again = draw(family, 3, wide=True).requests()
+    assert [r.hash_ids for r in load_trace(tmp_path / "t.jsonl")] == [r.hash_ids for r in again]
+
+
 def test_family_robustness_counts_the_misses_under_the_bar_that_the_trace_tells_apart_from_chance():
     from benchmarks.family_robustness import markdown, summary
 
