@@ -287,7 +287,7 @@ def _mooncake_params(rng: random.Random) -> dict:
 
 # --- wide ranges: the shapes of the agent traffic (forests, conversations, agent sessions) with parameters
 # beyond the ranges above, which the default policy's constants were measured on: a few or hundreds of live
-# conversations, system prompts of one to 32 blocks, turns of one to ten blocks, continuations from 1 in 5 to
+# conversations, shared prompts of one to 300 blocks, turns of one to 16 blocks, continuations from 1 in 5 to
 # 19 in 20, sessions of one to 128 agents. A check that the property holds past the draw it was tuned on.
 
 
